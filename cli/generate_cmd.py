@@ -1,0 +1,112 @@
+"""`dflash-mlx generate`: one completion, as text or as one JSON object."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+
+from mlx_dflash.errors import DFlashError
+
+from .main import app, err_console, fail
+
+JSON_SCHEMA_VERSION = 1
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise DFlashError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    if not ids or any(i < 0 for i in ids):
+        raise DFlashError("--prompt-ids must list at least one non-negative token id")
+    return ids
+
+
+def prompt_ids(tokenizer, prompt: str | None, ids: str | None, chat: bool,
+               system: str | None = None) -> list[int]:
+    if (prompt is None) == (ids is None):
+        raise DFlashError("give exactly one of --prompt and --prompt-ids")
+    if ids is not None:
+        if chat:
+            raise DFlashError("--chat applies a chat template to --prompt text, not to --prompt-ids")
+        return _parse_ids(ids)
+    if not prompt:
+        raise DFlashError("the prompt is empty")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise DFlashError("--chat: this model's tokenizer has no chat template")
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tokenizer.encode(prompt))
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option("--model", "-m", help="Target: mlx-lm model directory or Hugging Face repo id.")],
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id.")] = None,
+    prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text.")] = None,
+    prompt_ids_: Annotated[str | None, typer.Option("--prompt-ids", help="Prompt as token ids, e.g. 1,2,3.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap --prompt in the model's chat template.")] = False,
+    system: Annotated[str | None, typer.Option("--system", help="System message (with --chat).")] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 256,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (0: off).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Random seed (sampling is reproducible).")] = None,
+    block_size: Annotated[int | None, typer.Option("--block-size", min=2, help="Tokens per draft block (default: the drafter's).")] = None,
+    draft_window: Annotated[int | None, typer.Option("--draft-window", min=1, help="Drafter attends only the last N context tokens.")] = None,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (baseline).")] = False,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema in the README).")] = False,
+) -> None:
+    """Generate a completion with DFlash (or the target alone with --no-draft)."""
+    import mlx_dflash
+
+    if no_draft:
+        draft = None
+    elif draft is None:
+        err_console.print("[yellow]no --draft given: decoding with the target alone[/]")
+    target, tokenizer, drafter = mlx_dflash.load(model, draft, dtype=dtype)
+    ids = prompt_ids(tokenizer, prompt, prompt_ids_, chat, system)
+    tokens: list[int] = []
+    event = None
+    for event in mlx_dflash.stream_generate(
+        target, tokenizer, ids, draft_model=drafter, max_tokens=max_tokens, temp=temp,
+        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, block_size=block_size,
+        draft_window=draft_window,
+    ):
+        tokens.extend(event.tokens)
+        if not as_json:
+            print(event.text, end="", flush=True)
+    stats = event.stats
+    if as_json:
+        print(json.dumps({
+            "schema_version": JSON_SCHEMA_VERSION,
+            "token_ids": tokens,
+            "text": tokenizer.decode(tokens),
+            "finish_reason": event.finish_reason,
+            "prompt_tokens": stats.prompt_tokens,
+            "generation_tokens": stats.num_tokens,
+            "acceptance_lengths": stats.acceptance_lengths,
+            "tau": stats.tau,
+            "prefill_tps": stats.prefill_tps,
+            "generation_tps": stats.generation_tps,
+            "peak_memory_gb": stats.peak_memory_gb,
+            "block_size": block_size or (drafter.block_size if drafter else 1),
+            "draft": drafter is not None,
+        }))
+        return
+    print()
+    err_console.print(
+        f"[dim]{stats.num_tokens} tokens, prefill {stats.prefill_tps:.1f} tok/s, "
+        f"decode {stats.generation_tps:.1f} tok/s, tau {stats.tau:.2f}, "
+        f"peak memory {stats.peak_memory_gb:.2f} GB[/]", highlight=False,
+    )
+
+
+__all__ = ["generate", "fail"]

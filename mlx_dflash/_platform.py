@@ -1,0 +1,53 @@
+"""Linux CPU setup that must run before `mlx.core` is first imported.
+
+The `mlx-cpu` wheel bundles the reference (netlib) BLAS, about 25x slower than
+OpenBLAS for fp32 matmuls; loading the system OpenBLAS globally first makes MLX
+resolve its BLAS symbols there. Opt out with MLX_DFLASH_NO_OPENBLAS=1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+import warnings
+
+OPT_OUT_ENV = "MLX_DFLASH_NO_OPENBLAS"
+_CANDIDATES = ("libopenblas.so.0", "libopenblas.so")
+
+openblas_loaded = False
+
+
+def _load_openblas() -> bool:
+    names = list(_CANDIDATES)
+    found = ctypes.util.find_library("openblas")
+    if found:
+        names.insert(0, found)
+    for name in names:
+        try:
+            ctypes.CDLL(name, mode=ctypes.RTLD_GLOBAL)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def setup() -> None:
+    """Preload OpenBLAS on Linux (once), or say once how to get it."""
+    global openblas_loaded
+    if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT_ENV):
+        return
+    if "mlx.core" in sys.modules:
+        # Too late to interpose: MLX already bound its BLAS symbols.
+        return
+    openblas_loaded = _load_openblas()
+    if not openblas_loaded:
+        warnings.warn(
+            "OpenBLAS not found: MLX will use its bundled reference BLAS, which makes "
+            "fp32 matmuls ~25x slower on the CPU. Install it with "
+            "`apt-get install libopenblas0-pthread` (set "
+            f"{OPT_OUT_ENV}=1 to silence this).",
+            RuntimeWarning,
+            stacklevel=2,
+        )

@@ -1,0 +1,182 @@
+"""The Python API: `stream_generate` (one event per verify cycle) and `generate`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_sampler
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .drafter import DFlashDraftModel
+from .errors import DFlashError
+from .session import Clock, DecodingSession
+from .speculative import DFlashProposer, Proposer
+from .target import TargetModel
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    num_tokens: int = 0  # generated tokens (stop token excluded)
+    acceptance_lengths: list[int] = field(default_factory=list)  # a + 1 per cycle
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    peak_memory_gb: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)  # draft/verify seconds (profile)
+
+    @property
+    def cycles(self) -> int:
+        return len(self.acceptance_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward pass in the decode phase."""
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+    @property
+    def histogram(self) -> list[int]:
+        """histogram[n] = cycles that committed n tokens."""
+        counts = [0] * (max(self.acceptance_lengths, default=0) + 1)
+        for n in self.acceptance_lengths:
+            counts[n] += 1
+        return counts
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_time if self.prefill_time else 0.0
+
+    @property
+    def generation_tps(self) -> float:
+        """Tokens after the first (which comes from the prefill) per decode second."""
+        decoded = max(self.num_tokens - 1, 0)
+        return decoded / self.decode_time if self.decode_time else 0.0
+
+
+@dataclass
+class GenerationEvent:
+    """One verify cycle's output (the first event carries the prefill's token)."""
+
+    tokens: list[int]  # newly emitted token ids (a stop token is not emitted)
+    num_draft_accepted: int  # how many of `tokens` the drafter proposed
+    text: str  # the text segment these tokens completed
+    stats: GenerationStats
+    finish_reason: str | None = None  # "stop" | "length" | None while running
+
+    @property
+    def bonus_token(self) -> int | None:
+        """The target's own token of this cycle (absent when the cycle was cut short)."""
+        return self.tokens[-1] if len(self.tokens) > self.num_draft_accepted else None
+
+
+def _as_target(model: nn.Module | TargetModel) -> TargetModel:
+    return model if isinstance(model, TargetModel) else TargetModel(model)
+
+
+def make_proposer(
+    target: TargetModel,
+    draft_model: DFlashDraftModel | Proposer | None,
+    block_size: int,
+    draft_window: int | None = None,
+) -> Proposer | None:
+    if draft_model is None or isinstance(draft_model, DFlashProposer):
+        return draft_model
+    if isinstance(draft_model, DFlashDraftModel):
+        return DFlashProposer(draft_model, target, max_block_size=block_size, window=draft_window)
+    return draft_model  # a custom Proposer (tests, research)
+
+
+def stream_generate(
+    model: nn.Module | TargetModel,
+    tokenizer: TokenizerWrapper,
+    prompt: str | Sequence[int],
+    *,
+    draft_model: DFlashDraftModel | Proposer | None = None,
+    max_tokens: int = 256,
+    temp: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    min_p: float = 0.0,
+    seed: int | None = None,
+    block_size: int | None = None,
+    draft_window: int | None = None,
+    stop_tokens: Sequence[int] = (),
+    profile: bool = False,
+) -> Iterator[GenerationEvent]:
+    """Generate with DFlash (or the target alone when `draft_model` is None).
+
+    Greedy output is token-identical to the target decoding alone; with temp > 0
+    every token is an exact sample of the target's (top-p/top-k/min-p filtered)
+    distribution. `profile` syncs after drafting to split draft/verify time.
+    """
+    target = _as_target(model)
+    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not ids:
+        raise DFlashError("the prompt is empty: give at least one token")
+    if max_tokens < 0:
+        raise DFlashError(f"max_tokens must be >= 0, got {max_tokens}")
+    if block_size is None:
+        block_size = getattr(draft_model, "block_size", 16) if draft_model is not None else 1
+    if block_size < 1:
+        raise DFlashError(f"block size must be >= 1, got {block_size}")
+    if seed is not None:
+        mx.random.seed(seed)
+    sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
+    stop = set(tokenizer.eos_token_ids) | set(stop_tokens)
+    proposer = make_proposer(target, draft_model, block_size, draft_window)
+    session = DecodingSession(target, proposer)
+    stats = GenerationStats(prompt_tokens=len(ids))
+    detokenizer = tokenizer.detokenizer
+    detokenizer.reset()
+    if max_tokens == 0:
+        return
+    mx.reset_peak_memory()
+    clock = Clock()
+    produced, accepted = [session.extend(ids, sampler)], 0  # the prefill commits one token
+    stats.prefill_time = clock.lap()
+    while True:
+        finish = None
+        if produced[-1] in stop:
+            finish = "stop"
+        elif stats.num_tokens + len(produced) >= max_tokens:
+            finish = "length"
+        emitted = produced[:-1] if finish == "stop" else produced
+        for token in emitted:
+            detokenizer.add_token(token)
+        if finish:
+            detokenizer.finalize()
+        stats.num_tokens += len(emitted)
+        stats.decode_time += clock.lap()
+        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        yield GenerationEvent(
+            emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish
+        )
+        if finish:
+            return
+        # Never verify more positions than the remaining budget can use.
+        budget = max_tokens - stats.num_tokens
+        verified = session.step(sampler, min(block_size, budget), stats.timings if profile else None)
+        kept = _kept_count(verified.tokens, stop, budget)
+        session.keep(verified, kept)
+        produced, accepted = verified.tokens[:kept], verified.num_accepted
+        stats.acceptance_lengths.append(len(verified.tokens))
+
+
+def _kept_count(produced: list[int], stop: set[int], budget: int) -> int:
+    """Tokens to keep from a cycle: up to the first stop token or the budget."""
+    for i, token in enumerate(produced):
+        if token in stop or i + 1 >= budget:
+            return i + 1
+    return len(produced)
+
+
+def generate(
+    model: nn.Module | TargetModel,
+    tokenizer: TokenizerWrapper,
+    prompt: str | Sequence[int],
+    **kwargs,
+) -> str:
+    """Generate a completion and return its text (see `stream_generate` for options)."""
+    return "".join(event.text for event in stream_generate(model, tokenizer, prompt, **kwargs))

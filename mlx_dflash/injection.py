@@ -1,0 +1,103 @@
+"""Context K/V injection: the committed positions' features into every draft layer.
+
+The context K/V of all draft layers depend only on the fused context features,
+so one batched projection computes them for every layer at once; then each
+layer's k_norm and the shared RoPE are applied and the results are written
+into the draft cache. `inject_context_kv_reference` is the pure-MLX definition
+that the Metal kernel (mlx_dflash.kernels) must reproduce exactly.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from .draft_cache import DraftContextCache
+from .drafter import DFlashDraftModel
+
+_STACKED = ("weight", "scales", "biases", "bias")
+
+
+def inject_context_kv_reference(
+    *,
+    kv: mx.array,
+    k_norm_weight: mx.array,
+    eps: float,
+    rope: nn.Module,
+    offset: int,
+    dtype: mx.Dtype,
+) -> tuple[mx.array, mx.array]:
+    """Normalise and rotate a batched context K/V projection.
+
+    kv: (B, n, layers, 2, kv_heads, head_dim), the K (index 0) and V (index 1)
+        projections of n context positions for every draft layer.
+    k_norm_weight: (layers, head_dim), each layer's k_norm weight.
+    offset: absolute position of the first of the n positions.
+    Returns keys, values of shape (layers, B, kv_heads, n, head_dim) in `dtype`,
+    laid out as the per-layer caches store them.
+    """
+    B, n, num_layers, _, num_kv_heads, head_dim = kv.shape
+    keys = kv[:, :, :, 0].transpose(2, 0, 3, 1, 4)  # (layers, B, kv_heads, n, head_dim)
+    values = kv[:, :, :, 1].transpose(2, 0, 3, 1, 4)
+    keys = mx.fast.rms_norm(keys, None, eps) * k_norm_weight[:, None, None, None, :]
+    flat = keys.reshape(num_layers * B, num_kv_heads, n, head_dim)
+    keys = rope(flat, offset=offset).reshape(num_layers, B, num_kv_heads, n, head_dim)
+    return keys.astype(dtype), values.astype(dtype)
+
+
+class ContextInjector:
+    """One projection for all draft layers' context K/V, then norm + RoPE + cache write.
+
+    The stacked K/V weight is the only copy: each layer's k_proj/v_proj parameters
+    are re-pointed to row slices of it (MLX slices share the buffer).
+    """
+
+    def __init__(self, drafter: DFlashDraftModel):
+        self.drafter = drafter
+        attns = [layer.self_attn for layer in drafter.layers]
+        proto = attns[0].k_proj
+        self.num_layers = len(attns)
+        self.num_kv_heads = attns[0].n_kv_heads
+        self.head_dim = drafter.args.head_dim
+        if isinstance(proto, nn.QuantizedLinear):
+            self.projection = nn.QuantizedLinear(
+                1, 1, bias="bias" in proto, group_size=proto.group_size, bits=proto.bits,
+                mode=getattr(proto, "mode", "affine"),
+            )
+        else:
+            self.projection = nn.Linear(1, 1, bias="bias" in proto)
+        rows = self.num_kv_heads * self.head_dim
+        for name in _STACKED:
+            if name not in proto:
+                continue
+            parts = [getattr(proj, name) for a in attns for proj in (a.k_proj, a.v_proj)]
+            stacked = mx.concatenate(parts, axis=0)
+            mx.eval(stacked)
+            setattr(self.projection, name, stacked)
+            for i, a in enumerate(attns):
+                for j, proj in enumerate((a.k_proj, a.v_proj)):
+                    start = (2 * i + j) * rows
+                    setattr(proj, name, stacked[start : start + rows])
+        self.k_norm_weight = mx.stack([a.k_norm.weight for a in attns])
+        self.eps = attns[0].k_norm.eps
+
+    def project(self, context: mx.array) -> mx.array:
+        """Fused context features (B, n, D) -> kv (B, n, layers, 2, kv_heads, head_dim)."""
+        B, n, _ = context.shape
+        kv = self.projection(context)
+        return kv.reshape(B, n, self.num_layers, 2, self.num_kv_heads, self.head_dim)
+
+    def __call__(self, target_hidden: mx.array, offset: int, cache: DraftContextCache) -> None:
+        """Fuse target features (B, n, k*D) at absolute `offset` and append them to `cache`."""
+        if offset != cache.offset:
+            raise ValueError(f"injecting at position {offset} but the draft cache ends at {cache.offset}")
+        context = self.drafter.fuse_context(target_hidden)
+        keys, values = inject_context_kv_reference(
+            kv=self.project(context),
+            k_norm_weight=self.k_norm_weight,
+            eps=self.eps,
+            rope=self.drafter.rope,
+            offset=offset,
+            dtype=cache.dtype,
+        )
+        cache.append(list(keys), list(values))

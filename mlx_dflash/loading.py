@@ -1,0 +1,202 @@
+"""Loading targets (through mlx-lm) and DFlash drafters (z-lab layout), local or from the Hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .drafter import DFlashDraftModel, ModelArgs
+from .errors import DFlashError, IncompatibleDrafterError
+from .target import TargetModel
+
+DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def resolve_path(path_or_repo: str | Path, allow_patterns: list[str] | None = None,
+                 revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a Hub repo id through huggingface_hub's cache.
+
+    Offline (HF_HUB_OFFLINE=1) only the local cache is consulted.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DFlashError(f"{path} is a file; expected a model directory")
+        return path
+    name = str(path_or_repo)
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        raise DFlashError(f"{name}: no such directory, and not a Hugging Face repo id (org/name)")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(name, revision=revision, allow_patterns=allow_patterns))
+    except LocalEntryNotFoundError as e:
+        raise DFlashError(
+            f"{name} is not in the local Hugging Face cache and the Hub cannot be reached "
+            "(offline or no network)"
+        ) from e
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise DFlashError(f"could not download {name}: {str(e).splitlines()[0]}") from e
+
+
+def default_dtype() -> mx.Dtype | None:
+    """float32 on the CPU (MLX's CPU half-precision matmuls are slow); the checkpoint's otherwise."""
+    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
+        return None
+    return mx.float32
+
+
+def cast_floats(model: nn.Module, dtype: mx.Dtype | None) -> None:
+    """Cast floating-point parameters (not packed quantized weights) to `dtype`."""
+    if dtype is None:
+        return
+    model.update(tree_map(
+        lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
+        model.parameters(),
+    ))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise DFlashError(f"{path.parent}: missing {path.name}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DFlashError(f"{path}: not valid JSON ({e})") from e
+
+
+def read_safetensors(directory: Path) -> dict[str, mx.array]:
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise DFlashError(f"{directory}: no .safetensors weight files")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        try:
+            weights.update(mx.load(str(f)))
+        except Exception as e:  # MLX raises plain RuntimeError/ValueError on bad files
+            raise DFlashError(f"{f}: cannot read safetensors ({str(e).splitlines()[0]})") from e
+    return weights
+
+
+def load_drafter(
+    path_or_repo: str | Path,
+    target: TargetModel | None = None,
+    *,
+    dtype: mx.Dtype | None = None,
+    revision: str | None = None,
+) -> DFlashDraftModel:
+    """Load a z-lab DFlash v1 drafter; every checkpoint key and shape is checked."""
+    path = resolve_path(path_or_repo, DRAFTER_PATTERNS, revision)
+    config = _read_json(path / "config.json")
+    if "dflash_config" not in config:
+        raise DFlashError(f"{path}: config.json has no dflash_config; not a DFlash drafter")
+    try:
+        args = ModelArgs.from_dict(config)
+    except TypeError as e:
+        raise DFlashError(f"{path}: incomplete drafter config ({e})") from e
+    if target is not None:
+        args.resolve_target_layers(target.num_layers)
+    try:
+        model = DFlashDraftModel(args)
+    except ValueError as e:
+        raise DFlashError(f"{path}: {e}") from e
+    weights = model.sanitize(read_safetensors(path))
+    if args.quantization:
+        q = args.quantization
+        nn.quantize(
+            model, group_size=q["group_size"], bits=q["bits"],
+            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
+        )
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DFlashError(
+            f"{path}: drafter weights do not match its config"
+            + (f"; missing {', '.join(missing[:4])}" if missing else "")
+            + (f"; unexpected {', '.join(unexpected[:4])}" if unexpected else "")
+        )
+    for key, value in expected.items():
+        if weights[key].shape != value.shape:
+            raise DFlashError(
+                f"{path}: weight {key} has shape {tuple(weights[key].shape)}, "
+                f"config implies {tuple(value.shape)}"
+            )
+    model.load_weights(list(weights.items()), strict=True)
+    cast_floats(model, dtype)
+    model.eval()
+    mx.eval(model.parameters())
+    if target is not None:
+        check_compatible(model, target)
+    return model
+
+
+def check_compatible(drafter: DFlashDraftModel, target: TargetModel) -> None:
+    """One clear sentence naming both sides when the drafter was not made for the target."""
+    args = drafter.args
+    if args.hidden_size != target.hidden_size:
+        raise IncompatibleDrafterError(
+            f"drafter hidden size {args.hidden_size} != target hidden size {target.hidden_size}"
+        )
+    if args.vocab_size != target.vocab_size:
+        raise IncompatibleDrafterError(
+            f"drafter vocabulary {args.vocab_size} != target embedding rows {target.vocab_size}"
+        )
+    bad = [i for i in args.target_layer_ids if not 0 <= i < target.num_layers]
+    if bad:
+        raise IncompatibleDrafterError(
+            f"drafter target_layer_ids {bad} are outside the target's {target.num_layers} layers"
+        )
+    if not 0 <= args.mask_token_id < target.vocab_size:
+        raise IncompatibleDrafterError(
+            f"drafter mask_token_id {args.mask_token_id} is outside the target's "
+            f"embedding table of {target.vocab_size} rows"
+        )
+    if args.block_size < 2:
+        raise IncompatibleDrafterError(f"drafter block_size {args.block_size} must be >= 2")
+
+
+def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
+                revision: str | None = None) -> tuple[nn.Module, Any]:
+    """An mlx-lm model and tokenizer, cast to `dtype` (float32 on the CPU by default)."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    path = resolve_path(path_or_repo, None, revision)
+    if not (path / "config.json").exists():
+        raise DFlashError(f"{path}: missing config.json")
+    try:
+        model, tokenizer = mlx_lm_load(str(path))
+    except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
+        raise DFlashError(f"{path}: cannot load target ({str(e).splitlines()[0]})") from e
+    TargetModel(model)  # fails early, naming the supported families
+    cast_floats(model, dtype)
+    return model, tokenizer
+
+
+def load(
+    model: str | Path,
+    draft: str | Path | None = None,
+    *,
+    dtype: str | None = None,
+) -> tuple[nn.Module, Any, DFlashDraftModel | None]:
+    """Load a target (mlx-lm format) and optionally its DFlash drafter.
+
+    Returns (model, tokenizer, draft_model) ready for `generate`/`stream_generate`.
+    `dtype` is one of float32/float16/bfloat16; default float32 on the CPU.
+    """
+    if dtype is not None and dtype not in DTYPES:
+        raise DFlashError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
+    mx_dtype = DTYPES[dtype] if dtype else default_dtype()
+    target_model, tokenizer = load_target(model, dtype=mx_dtype)
+    drafter = None
+    if draft is not None:
+        target = TargetModel(target_model)
+        drafter = load_drafter(draft, target, dtype=mx_dtype or target.dtype)
+    return target_model, tokenizer, drafter

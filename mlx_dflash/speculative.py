@@ -1,0 +1,135 @@
+"""One DFlash cycle: draft a block, verify it with the target, accept a prefix.
+
+`Proposer` is the drafter seen by the decode loop; `DFlashProposer` is the real
+one (block diffusion over the target's features). Tests plug in oracle and
+always-wrong proposers through the same interface.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import mlx.core as mx
+
+from .draft_cache import DraftContextCache
+from .drafter import DFlashDraftModel
+from .injection import ContextInjector
+from .target import TargetModel
+
+
+class Proposer(Protocol):
+    """Proposes the tokens that follow the last committed token."""
+
+    target_layer_ids: list[int]
+
+    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+        """`last_token` (1,) sits at absolute `position`; return block_size - 1 tokens."""
+        ...
+
+    def commit(self, features: mx.array, position: int) -> None:
+        """Take the committed positions' target features (1, n, k*D) from `position` on."""
+        ...
+
+    def trim(self, num_positions: int) -> None:
+        """Forget the last committed positions (used when a chat drops a reply)."""
+        ...
+
+    def state_arrays(self) -> list[mx.array]:
+        """Arrays to evaluate so that committed context is materialised."""
+        ...
+
+
+class DFlashProposer:
+    """Block drafting with a DFlash drafter sharing the target's embedding and lm_head."""
+
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        target: TargetModel,
+        *,
+        max_block_size: int,
+        window: int | None = None,
+        injector: ContextInjector | None = None,
+    ):
+        args = drafter.args
+        self.drafter = drafter
+        self.target = target
+        self.target_layer_ids = list(drafter.target_layer_ids)
+        self.injector = injector or ContextInjector(drafter)
+        self.cache = DraftContextCache(
+            args.num_hidden_layers,
+            args.num_key_value_heads,
+            args.head_dim,
+            max_block_size=max_block_size,
+            dtype=drafter.norm.weight.dtype,
+            window=window,
+        )
+        self._masks = mx.array([drafter.mask_token_id] * (max_block_size - 1), dtype=mx.uint32)
+
+    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+        block = mx.concatenate([last_token.astype(mx.uint32), self._masks[: block_size - 1]])
+        hidden = self.drafter(self.target.embed(block[None]), self.cache, position)
+        logits = self.target.logits(hidden[:, 1:])
+        return mx.argmax(logits[0], axis=-1).astype(mx.uint32)
+
+    def commit(self, features: mx.array, position: int) -> None:
+        self.injector(features, position, self.cache)
+
+    def trim(self, num_positions: int) -> None:
+        self.cache.trim(num_positions)
+
+    def state_arrays(self) -> list[mx.array]:
+        return self.cache.state_arrays()
+
+
+@dataclass
+class Verified:
+    """What one cycle produced, before the caller decides how much of it to keep."""
+
+    tokens: list[int]  # accepted draft tokens, then the target's own token
+    num_accepted: int  # draft tokens accepted (tokens[-1] is the target's)
+    features: Any  # (1, num_accepted + 1, k*D) target features of the verified inputs, or None
+
+
+def speculative_step(
+    target: TargetModel,
+    cache: list[Any],
+    proposer: Proposer | None,
+    sampler: Any,
+    last_token: mx.array,
+    position: int,
+    block_size: int,
+    timings: dict[str, float] | None = None,
+) -> Verified:
+    """Draft, verify and accept one block; the target cache is left holding all B inputs.
+
+    With no proposer (or block_size 1) this is one plain decoding step of the target.
+    `timings`, when given, accumulates draft/verify seconds (forcing a sync after drafting).
+    """
+    start = time.perf_counter()
+    capture = proposer.target_layer_ids if proposer is not None else ()
+    draft, inputs = None, last_token.astype(mx.uint32)
+    if proposer is not None and block_size > 1:
+        draft = proposer.propose(last_token, position, block_size)
+        inputs = mx.concatenate([inputs, draft])
+        if timings is not None:
+            mx.eval(draft)
+            drafted = time.perf_counter()
+            timings["draft"] = timings.get("draft", 0.0) + drafted - start
+            start = drafted
+    hidden, features = target.forward(inputs[None], cache, capture)
+    logits = target.logits(hidden)[0]
+    target_tokens = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    if draft is None:
+        num_accepted = mx.array(0)
+    else:
+        # Accept drafted tokens while they equal the token the target itself chose at that
+        # position; the target's token at the first mismatch is emitted instead (lossless).
+        num_accepted = mx.cumprod(draft == target_tokens[:-1]).sum()
+    mx.eval(target_tokens, num_accepted)  # the one host sync per cycle: a decision
+    if timings is not None:
+        timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - start
+    a = num_accepted.item()
+    return Verified(target_tokens[: a + 1].tolist(), a, features)
