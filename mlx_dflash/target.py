@@ -135,7 +135,7 @@ class TargetModel:
         masks = self.family.build_masks(self.inner, h, cache)
         wanted = {layer: slot for slot, layer in enumerate(capture)}
         captured: list[mx.array | None] = [None] * len(capture)
-        for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, masks)):
+        for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, masks, strict=True)):
             h = layer(h, mask, c)
             if i in wanted:
                 captured[wanted[i]] = h
