@@ -11,6 +11,7 @@ against a cache that concatenates the whole context every cycle.
 Figures are printed with the machine's name; nothing here is a test.
 """
 
+# ruff: noqa: I001  (mlx_dflash first: on Linux it loads OpenBLAS before mlx.core)
 from __future__ import annotations
 
 import argparse
@@ -96,11 +97,9 @@ def load_target(path: str | None) -> tuple[nn.Module, object, str]:
 def per_cycle(model, tokenizer, drafter, prompt: list[int], block: int, tokens: int, repeats: int):
     rows = []
     for _ in range(repeats):
-        event = None
-        for event in stream_generate(model, tokenizer, prompt, draft_model=drafter, max_tokens=tokens,
-                                     block_size=block, profile=True, stop_tokens=()):
-            pass
-        s = event.stats
+        events = list(stream_generate(model, tokenizer, prompt, draft_model=drafter, max_tokens=tokens,
+                                      block_size=block, profile=True, stop_tokens=()))
+        s = events[-1].stats
         cycles = max(s.cycles, 1)
         draft = s.timings.get("draft", 0.0) / cycles
         verify = s.timings.get("verify", 0.0) / cycles

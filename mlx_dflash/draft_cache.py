@@ -28,6 +28,7 @@ class DraftContextCache:
         max_block_size: int,
         dtype: mx.Dtype = mx.float32,
         window: int | None = None,
+        layer_windows: list[int | None] | None = None,
         batch_size: int = 1,
     ):
         if window is not None and window < 1:
@@ -38,6 +39,8 @@ class DraftContextCache:
         self.max_block_size = max_block_size
         self.dtype = dtype
         self.window = window
+        # Sliding-attention draft layers see only the last `w` context positions.
+        self.layer_windows = list(layer_windows) if layer_windows else [None] * num_layers
         self.keys: list[mx.array] = []
         self.values: list[mx.array] = []
         self.stored = 0  # committed positions held in the buffers
@@ -50,12 +53,10 @@ class DraftContextCache:
         """Absolute position one past the last committed context position."""
         return self.dropped + self.stored
 
-    @property
-    def attend_start(self) -> int:
-        """Buffer slot of the first context position a block attends to."""
-        if self.window is None:
-            return 0
-        return max(0, self.stored - self.window)
+    def attend_start(self, layer: int = 0) -> int:
+        """Buffer slot of the first context position a block attends to in `layer`."""
+        windows = [w for w in (self.window, self.layer_windows[layer]) if w is not None]
+        return max(0, self.stored - min(windows)) if windows else 0
 
     def _reallocate(self, capacity: int, keep_from: int) -> None:
         shape = (*self.shape_prefix, capacity, self.head_dim)
@@ -118,12 +119,18 @@ class DraftContextCache:
         end = self.stored + n
         self.keys[layer][..., self.stored : end, :] = block_keys.astype(self.dtype)
         self.values[layer][..., self.stored : end, :] = block_values.astype(self.dtype)
-        start = self.attend_start
+        start = self.attend_start(layer)
         return self.keys[layer][..., start:end, :], self.values[layer][..., start:end, :]
 
     def trim(self, n: int) -> int:
         """Forget the last `n` committed positions (e.g. a reply dropped in chat)."""
-        n = min(n, self.stored)
+        if n >= self.offset:
+            self.stored = self.dropped = 0
+            return n
+        if n > self.stored:
+            raise ValueError(
+                f"cannot trim {n} positions: the window keeps only the last {self.stored}"
+            )
         self.stored -= n
         return n
 

@@ -70,6 +70,12 @@ class ModelArgs(BaseModelArgs):
             self.rope_theta = 1_000_000.0
         if self.block_size is None:
             self.block_size = self.dflash_config.get("block_size", DEFAULT_BLOCK_SIZE)
+        if self.layer_types is not None and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types lists {len(self.layer_types)} layers, num_hidden_layers is {self.num_hidden_layers}"
+            )
+        if "sliding_attention" in (self.layer_types or []) and not self.sliding_window:
+            raise ValueError("sliding_attention layers need a positive sliding_window")
 
     @property
     def mask_token_id(self) -> int:
@@ -88,6 +94,12 @@ class ModelArgs(BaseModelArgs):
                 "num_target_layers; call resolve_target_layers(n) with the target's depth"
             )
         return default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
+
+    @property
+    def layer_windows(self) -> list[int | None]:
+        """Per draft layer: the context window of a sliding-attention layer, else None."""
+        types = self.layer_types or ["full_attention"] * self.num_hidden_layers
+        return [self.sliding_window if t == "sliding_attention" else None for t in types]
 
     def resolve_target_layers(self, num_target_layers: int) -> None:
         """Fill in the default target layers from the target's depth when absent."""

@@ -37,16 +37,9 @@ class DecodingSession:
     def capture(self) -> list[int]:
         return self.proposer.target_layer_ids if self.proposer is not None else []
 
-    def extend(self, new_tokens: list[int], sampler: Any) -> int:
-        """Feed new input after the committed tokens and sample the next token.
-
-        Only the pending token and `new_tokens` are computed: earlier turns stay cached.
-        Returns the sampled token, which is committed (it becomes the pending token).
-        """
-        if not new_tokens:
-            raise ValueError("extend() needs at least one new token")
-        inputs = self.tokens[-1:] + list(new_tokens)
-        start = max(self.position, 0)
+    def _feed(self, inputs: list[int], start: int) -> mx.array:
+        """Run `inputs` (absolute positions from `start`) through the target in chunks,
+        committing their features to the drafter; returns the last position's logits."""
         logits = None
         for lo in range(0, len(inputs), PREFILL_CHUNK):
             chunk = mx.array(inputs[lo : lo + PREFILL_CHUNK], dtype=mx.uint32)[None]
@@ -55,6 +48,17 @@ class DecodingSession:
                 self.proposer.commit(features, start + lo)
             logits = self.target.logits(hidden[:, -1:])[0]
             mx.eval(logits, self.proposer.state_arrays() if self.proposer is not None else [])
+        return logits
+
+    def extend(self, new_tokens: list[int], sampler: Any) -> int:
+        """Feed new input after the committed tokens and sample the next token.
+
+        Only the pending token and `new_tokens` are computed: earlier turns stay cached.
+        Returns the sampled token, which is committed (it becomes the pending token).
+        """
+        if not new_tokens:
+            raise ValueError("extend() needs at least one new token")
+        logits = self._feed(self.tokens[-1:] + list(new_tokens), max(self.position, 0))
         token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
         self.tokens.extend(list(new_tokens) + [token])
         return token
@@ -75,7 +79,8 @@ class DecodingSession:
             raise ValueError(f"can keep 1..{len(verified.tokens)} tokens, not {count}")
         # The cache holds the pending token plus the verify inputs after it; keep the
         # pending token and the first count - 1 new tokens (the last is the new pending).
-        self.target.rollback(self.cache, self._inputs - count)
+        self.target.rollback(self.cache, self._inputs - count, verified.checkpoint,
+                             verified.inputs[:count])
         if self.proposer is not None and verified.features is not None:
             self.proposer.commit(verified.features[:, :count], self.position)
         self.tokens.extend(verified.tokens[:count])
@@ -86,9 +91,16 @@ class DecodingSession:
         drop = len(self.tokens) - length
         if drop <= 0:
             return
-        self.target.rollback(self.cache, drop)
-        if self.proposer is not None:
-            self.proposer.trim(drop)
+        if self.target.checkpoint(self.cache) is None:
+            self.target.rollback(self.cache, drop)
+            if self.proposer is not None:
+                self.proposer.trim(drop)
+        else:
+            # Recurrent state cannot be rewound without a checkpoint: recompute the kept prefix.
+            self.cache = self.target.make_cache()
+            if self.proposer is not None:
+                self.proposer.trim(len(self.tokens) - 1)
+            self._feed(self.tokens[: length - 1], 0)
         del self.tokens[length:]
 
 

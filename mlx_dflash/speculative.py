@@ -65,6 +65,7 @@ class DFlashProposer:
             max_block_size=max_block_size,
             dtype=drafter.norm.weight.dtype,
             window=window,
+            layer_windows=args.layer_windows,
         )
         self._masks = mx.array([drafter.mask_token_id] * (max_block_size - 1), dtype=mx.uint32)
 
@@ -90,7 +91,9 @@ class Verified:
 
     tokens: list[int]  # accepted draft tokens, then the target's own token
     num_accepted: int  # draft tokens accepted (tokens[-1] is the target's)
-    features: Any  # (1, num_accepted + 1, k*D) target features of the verified inputs, or None
+    features: Any  # (1, B, k*D) target features of the verified inputs, or None
+    inputs: mx.array  # the verified inputs: the pending token, then the draft
+    checkpoint: Any = None  # untrimmable target cache state before the verify (hybrid targets)
 
 
 def speculative_step(
@@ -119,6 +122,7 @@ def speculative_step(
             drafted = time.perf_counter()
             timings["draft"] = timings.get("draft", 0.0) + drafted - start
             start = drafted
+    checkpoint = target.checkpoint(cache) if draft is not None else None
     hidden, features = target.forward(inputs[None], cache, capture)
     logits = target.logits(hidden)[0]
     target_tokens = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
@@ -132,4 +136,4 @@ def speculative_step(
     if timings is not None:
         timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - start
     a = num_accepted.item()
-    return Verified(target_tokens[: a + 1].tolist(), a, features)
+    return Verified(target_tokens[: a + 1].tolist(), a, features, inputs, checkpoint)

@@ -1,67 +1,33 @@
 """The target model side: a forward pass that also returns selected layers' outputs.
 
-mlx-lm models have no hidden-state hook, so each supported family gets a
-forward built from the model's own parts (embedding, mask, layers, norm,
-lm_head) that reproduces `model(x)` exactly while keeping the outputs of the
+mlx-lm models have no hidden-state hook, so each supported family (see
+`families.py`) is run from the model's own parts (embedding, masks, layers,
+norm, lm_head), reproducing `model(x)` exactly while keeping the outputs of the
 selected decoder layers (Hugging Face `hidden_states[i + 1]`). Nothing in
-mlx-lm is patched. A family is a `TargetFamily`: how to build the masks, how
-to make the cache, and how to roll it back after a partially accepted block;
-hybrid and sliding-window families plug in here.
+mlx-lm is patched.
+
+Rollback after a partially accepted block: plain K/V caches are trimmed.
+Caches that cannot be trimmed (GatedDeltaNet state in `ArraysCache`, rotating
+sliding-window buffers) are checkpointed before the verify pass (references
+only: MLX arrays are immutable values) and, on rejection, restored; the kept
+inputs are then replayed, so the state equals that of a target that consumed
+exactly the committed tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.base import create_attention_mask
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from .errors import DFlashError
+from .families import FAMILIES, TargetFamily
 
-MaskBuilder = Callable[[nn.Module, mx.array, list[Any]], list[Any]]
-
-
-def _shared_causal_masks(inner: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
-    mask = create_attention_mask(h, cache[0])
-    return [mask] * len(inner.layers)
-
-
-def _llama_masks(inner: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
-    # Llama/Mistral in mlx-lm may mix full and sliding-window layers.
-    full = create_attention_mask(h, cache[inner.fa_idx])
-    if inner.swa_idx is None:
-        return [full] * len(inner.layers)
-    window = create_attention_mask(h, cache[inner.swa_idx], window_size=inner.sliding_window)
-    return [window if layer.use_sliding else full for layer in inner.layers]
-
-
-def _trim_attention_caches(cache: list[Any], num_tokens: int) -> None:
-    for c in cache:
-        if not c.is_trimmable():
-            raise DFlashError(f"target cache {type(c).__name__} cannot be rolled back")
-        c.trim(num_tokens)
-
-
-@dataclass(frozen=True)
-class TargetFamily:
-    """How to run one mlx-lm model family with hidden-state capture and rollback."""
-
-    model_types: tuple[str, ...]
-    build_masks: MaskBuilder
-    rollback: Callable[[list[Any], int], None] = _trim_attention_caches
-
-    def make_cache(self, model: nn.Module) -> list[Any]:
-        return make_prompt_cache(model)
-
-
-FAMILIES: tuple[TargetFamily, ...] = (
-    TargetFamily(("qwen3", "qwen3_moe", "qwen2"), _shared_causal_masks),
-    TargetFamily(("llama", "mistral"), _llama_masks),
-)
+_TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+Checkpoint = dict[int, tuple[Any, ...]]
 
 
 def supported_model_types() -> list[str]:
@@ -78,15 +44,23 @@ def family_for(model_type: str) -> TargetFamily:
     )
 
 
+def _copy_state(state: Any) -> Any:
+    # Fresh handles: later in-place writes into the live cache must not reach the copy.
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copy_state(s) for s in state)
+    return mx.array(state) if isinstance(state, mx.array) else state
+
+
 class TargetModel:
-    """An mlx-lm causal LM with a capturing forward pass and cache rollback."""
+    """An mlx-lm causal LM with a capturing forward pass and exact cache rollback."""
 
     def __init__(self, model: nn.Module):
         self.model = model
         self.model_type = getattr(model, "model_type", None) or model.args.model_type
         self.family = family_for(self.model_type)
-        self.inner = model.model
-        self.args = model.args
+        self.owner = self.family.text_model(model)
+        self.inner = self.owner.model
+        self.args = self.owner.args
 
     @property
     def num_layers(self) -> int:
@@ -106,21 +80,23 @@ class TargetModel:
         return self.inner.norm.weight.dtype
 
     def make_cache(self) -> list[Any]:
-        return self.family.make_cache(self.model)
-
-    def rollback(self, cache: list[Any], num_tokens: int) -> None:
-        """Drop the last `num_tokens` positions from the target cache."""
-        if num_tokens > 0:
-            self.family.rollback(cache, num_tokens)
+        return make_prompt_cache(self.model)
 
     def embed(self, tokens: mx.array) -> mx.array:
+        """The raw embedding rows (what the drafter consumes; no family scaling)."""
         return self.inner.embed_tokens(tokens)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final-normed hidden states -> logits (the lm_head, or the tied embedding)."""
-        if getattr(self.args, "tie_word_embeddings", False) or not hasattr(self.model, "lm_head"):
-            return self.inner.embed_tokens.as_linear(hidden)
-        return self.model.lm_head(hidden)
+        tied = getattr(self.owner, "tie_word_embeddings", None)
+        if tied is None:
+            tied = getattr(self.args, "tie_word_embeddings", False)
+        if tied or "lm_head" not in self.owner:
+            out = self.inner.embed_tokens.as_linear(hidden)
+        else:
+            out = self.owner.lm_head(hidden)
+        finish = self.family.finish_logits
+        return finish(self.owner, out) if finish is not None else out
 
     def forward(
         self, tokens: mx.array, cache: list[Any], capture: Sequence[int] = ()
@@ -131,13 +107,50 @@ class TargetModel:
         `capture` layers concatenated on the feature axis (B, L, len(capture)*D),
         or None when nothing is captured.
         """
-        h = self.embed(tokens)
-        masks = self.family.build_masks(self.inner, h, cache)
-        wanted = {layer: slot for slot, layer in enumerate(capture)}
+        family = self.family
+        h = family.embed(self.inner, tokens) if family.embed else self.embed(tokens)
+        slots = {layer: slot for slot, layer in enumerate(capture)}
         captured: list[mx.array | None] = [None] * len(capture)
-        for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, masks, strict=True)):
-            h = layer(h, mask, c)
-            if i in wanted:
-                captured[wanted[i]] = h
+
+        def keep(i: int, out: mx.array) -> None:
+            if i in slots:
+                captured[slots[i]] = out
+
+        if family.run_layers is not None:
+            h = family.run_layers(self.inner, tokens, h, cache, keep)
+        else:
+            masks = family.build_masks(self.inner, h, cache)
+            for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, masks, strict=True)):
+                h = layer(h, mask, c)
+                keep(i, h)
         features = mx.concatenate(captured, axis=-1) if capture else None
         return self.inner.norm(h), features
+
+    def checkpoint(self, cache: list[Any]) -> Checkpoint | None:
+        """References to the state of caches that cannot be trimmed (None when all can)."""
+        saved = {i: _copy_state(c.state) for i, c in enumerate(cache) if not isinstance(c, _TRIMMABLE)}
+        return saved or None
+
+    def rollback(self, cache: list[Any], num_tokens: int, checkpoint: Checkpoint | None = None,
+                 replay: mx.array | None = None) -> None:
+        """Drop the last `num_tokens` positions from the cache.
+
+        With a checkpoint taken before the last forward (whose first inputs, kept,
+        are `replay`), untrimmable caches are restored and `replay` recomputed.
+        """
+        if num_tokens <= 0:
+            return
+        if checkpoint is None:
+            for c in cache:
+                if not isinstance(c, _TRIMMABLE):
+                    raise DFlashError(f"target cache {type(c).__name__} cannot be rolled back")
+                c.trim(num_tokens)
+            return
+        replayed = 0 if replay is None else replay.shape[-1]
+        for i, c in enumerate(cache):
+            if i in checkpoint:
+                c.state = _copy_state(checkpoint[i])
+            else:
+                c.trim(num_tokens + replayed)
+        if replayed:
+            self.forward(replay.reshape(1, -1), cache)

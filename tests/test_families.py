@@ -1,0 +1,222 @@
+"""Every supported target family: exact capture forward, lossless decoding, exact rollback.
+
+Hybrid (Qwen3.5/3.6, Qwen3-Next: GatedDeltaNet state in ArraysCache) and
+sliding-window (gpt-oss, Gemma 3/4: RotatingKVCache) targets cannot trim their
+caches; these tests hold the checkpoint-and-replay rollback to the target alone.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.utils import _get_classes
+from tiny import (
+    FAMILY_CONFIGS,
+    VOCAB,
+    ScriptedProposer,
+    _randomize,
+    greedy_reference,
+    tiny_drafter,
+    tiny_target,
+)
+
+import mlx_dflash
+from mlx_dflash.generate import make_sampler
+from mlx_dflash.session import DecodingSession
+from mlx_dflash.target import TargetModel, supported_model_types
+
+H = 64
+WINDOW = 8  # sliding window of the tiny gpt-oss / Gemma targets: blocks straddle it
+_QWEN35_TEXT = dict(
+    hidden_size=H, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, vocab_size=VOCAB, linear_num_value_heads=4,
+    linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+    linear_conv_kernel_dim=4, full_attention_interval=2, tie_word_embeddings=False,
+    rms_norm_eps=1e-6, max_position_embeddings=4096,
+    rope_parameters={"type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+HYBRID_CONFIGS = {
+    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(_QWEN35_TEXT, model_type="qwen3_5_text")),
+    "qwen3_5_moe": dict(model_type="qwen3_5_moe", text_config=dict(
+        _QWEN35_TEXT, model_type="qwen3_5_moe_text", num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32)),
+    "qwen3_next": dict(
+        model_type="qwen3_next", hidden_size=H, num_hidden_layers=4, intermediate_size=96,
+        num_attention_heads=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, shared_expert_intermediate_size=32, mlp_only_layers=[],
+        moe_intermediate_size=32, rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=2,
+        rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=4096, head_dim=16,
+        norm_topk_prob=True, tie_word_embeddings=False, attention_bias=False, full_attention_interval=2),
+    "gpt_oss": dict(
+        model_type="gpt_oss", num_hidden_layers=4, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB, rms_norm_eps=1e-5, hidden_size=H, intermediate_size=64, head_dim=16,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=WINDOW, rope_theta=10000.0,
+        layer_types=["sliding_attention", "full_attention"] * 2),
+    "gemma3_text": dict(
+        model_type="gemma3_text", hidden_size=H, num_hidden_layers=4, intermediate_size=96,
+        num_attention_heads=4, head_dim=16, rms_norm_eps=1e-6, vocab_size=VOCAB, num_key_value_heads=2,
+        rope_theta=10000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=16,
+        sliding_window=WINDOW, sliding_window_pattern=2, max_position_embeddings=4096),
+    "gemma4_text": dict(
+        model_type="gemma4_text", hidden_size=H, num_hidden_layers=4, intermediate_size=96,
+        num_attention_heads=4, head_dim=16, global_head_dim=16, rms_norm_eps=1e-6, vocab_size=VOCAB,
+        vocab_size_per_layer_input=VOCAB, num_key_value_heads=2, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, sliding_window=WINDOW, sliding_window_pattern=2,
+        max_position_embeddings=4096, layer_types=["sliding_attention", "full_attention"] * 2,
+        final_logit_softcapping=30.0, tie_word_embeddings=True),
+}
+
+
+class NullTokenizer:
+    """Prompts are token ids; no stop tokens; text is not under test here."""
+
+    eos_token_ids: set[int] = set()
+
+    class detokenizer:  # noqa: N801
+        last_segment = ""
+
+        @staticmethod
+        def reset(): ...
+
+        @staticmethod
+        def add_token(token): ...
+
+        @staticmethod
+        def finalize(): ...
+
+
+def build(model_type: str, seed: int = 0):
+    if model_type in FAMILY_CONFIGS:
+        return tiny_target(model_type, seed=seed)
+    config = HYBRID_CONFIGS[model_type]
+    model_cls, args_cls = _get_classes(config)
+    model = model_cls(args_cls.from_dict(config))
+    _randomize(model, seed, scale=2.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {t: build(t, seed=1) for t in HYBRID_CONFIGS}
+
+
+def tokens_of(events) -> list[int]:
+    return [t for e in events for t in e.tokens]
+
+
+def test_every_supported_family_is_tested():
+    assert set(supported_model_types()) == set(FAMILY_CONFIGS) | set(HYBRID_CONFIGS)
+
+
+@pytest.mark.parametrize("model_type", sorted(set(FAMILY_CONFIGS) | set(HYBRID_CONFIGS)))
+def test_capture_forward_reproduces_model_call(model_type):
+    model = build(model_type)
+    x = mx.array([[5, 9, 33, 17, 60, 2, 7, 8, 9, 10, 11, 12, 40, 41]])
+    target = TargetModel(model)
+    hidden, features = target.forward(x, target.make_cache(), [0, 2])
+    assert mx.array_equal(target.logits(hidden), model(x)).item()
+    assert features.shape == (1, x.shape[1], 2 * target.hidden_size)
+
+
+CASES = [  # (prompt length, block size, max tokens, proposer error rate, seed)
+    (1, 4, 21, 0.0, 0), (5, 16, 40, 0.3, 1), (13, 7, 45, 0.5, 2), (30, 3, 33, 1.0, 3),
+    (9, 9, 50, 0.2, 4), (2, 2, 17, 0.6, 5),
+]
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRID_CONFIGS))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "p{}-b{}-n{}-e{}-s{}".format(*c))
+def test_greedy_lossless(targets, model_type, case):
+    prompt_len, block, max_tokens, error_rate, seed = case
+    model = targets[model_type]
+    prompt = [(11 * i + 7 * seed + 5) % VOCAB for i in range(prompt_len)]
+    ref = greedy_reference(model, prompt, max_tokens)
+    proposer = ScriptedProposer(prompt + ref, VOCAB, error_rate, seed=seed, target_layer_ids=[1, 2])
+    events = list(mlx_dflash.stream_generate(
+        model, NullTokenizer(), prompt, draft_model=proposer, max_tokens=max_tokens, block_size=block))
+    assert tokens_of(events) == ref
+    lengths = events[-1].stats.acceptance_lengths
+    if error_rate == 0.0:
+        assert max(lengths) == block  # full blocks were accepted (and rolled forward)
+    if error_rate == 1.0:
+        assert set(lengths) == {1}
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRID_CONFIGS))
+def test_greedy_lossless_with_dflash_drafter(targets, model_type):
+    model = targets[model_type]
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
+    prompt = list(range(20, 40))
+    ref = greedy_reference(model, prompt, 30)
+    out = tokens_of(mlx_dflash.stream_generate(model, NullTokenizer(), prompt, draft_model=drafter,
+                                               max_tokens=30))
+    assert out == ref
+
+
+def _state_arrays(cache) -> list[mx.array]:
+    return [a for c in cache if isinstance(c, ArraysCache) for a in c.cache]
+
+
+@pytest.mark.parametrize("model_type", sorted(HYBRID_CONFIGS))
+def test_rollback_leaves_exactly_the_committed_state(targets, model_type):
+    """After every cycle the caches equal those of a target fed only the committed tokens."""
+    model = targets[model_type]
+    target = TargetModel(model)
+    prompt = [3, 50, 7, 90, 12, 44]
+    ref = greedy_reference(model, prompt, 40)
+    proposer = ScriptedProposer(prompt + ref, VOCAB, 0.4, seed=7, target_layer_ids=[1])
+    session = DecodingSession(target, proposer)
+    greedy = make_sampler(0.0)
+    session.extend(prompt, greedy)
+    probe = mx.array([[17]])
+    for _ in range(6):
+        verified = session.step(greedy, 8)
+        session.keep(verified, len(verified.tokens))
+        fresh = target.make_cache()
+        committed = mx.array(session.tokens[:-1], dtype=mx.uint32)[None]
+        target.forward(committed, fresh)
+        for ours, theirs in zip(_state_arrays(session.cache), _state_arrays(fresh), strict=True):
+            assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
+        # Attention and sliding-window caches: the next forward must see the same context.
+        saved = target.checkpoint(session.cache)
+        ours = target.logits(target.forward(probe, session.cache)[0])
+        target.rollback(session.cache, 1, saved)  # undo the probe
+        theirs = target.logits(target.forward(probe, fresh)[0])
+        assert mx.allclose(ours, theirs, atol=1e-4, rtol=1e-4).item()
+
+
+def test_broken_rollback_is_caught(targets, monkeypatch):
+    """Control: a rollback that forgets the recurrent state diverges from the target alone."""
+    model = targets["qwen3_5"]
+
+    def trim_only(self, cache, num_tokens, checkpoint=None, replay=None):
+        for c in cache:
+            if not isinstance(c, ArraysCache):
+                c.trim(num_tokens)
+
+    monkeypatch.setattr(TargetModel, "rollback", trim_only)
+    prompt = list(range(30, 45))
+    ref = greedy_reference(model, prompt, 40)
+    proposer = ScriptedProposer(prompt + ref, VOCAB, 0.5, seed=3, target_layer_ids=[1])
+    out = tokens_of(mlx_dflash.stream_generate(model, NullTokenizer(), prompt, draft_model=proposer,
+                                               max_tokens=40, block_size=8))
+    assert out != ref
+
+
+def test_truncate_recomputes_recurrent_state(targets):
+    """Chat drops a reply: a hybrid session rewinds by recomputing, then continues exactly."""
+    model = targets["qwen3_next"]
+    target = TargetModel(model)
+    greedy = make_sampler(0.0)
+    session = DecodingSession(target)
+    session.extend([5, 6, 7, 8], greedy)
+    for _ in range(5):
+        verified = session.step(greedy, 1)
+        session.keep(verified, 1)
+    session.truncate(6)
+    session.extend([9, 10], greedy)
+    fresh = DecodingSession(target)
+    fresh.extend(session.tokens[:-1], greedy)
+    assert fresh.tokens == session.tokens
