@@ -18,6 +18,8 @@ import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask, create_ssm_mask
 
 LayerHook = Callable[[int, mx.array], None]
+# layer index -> the recurrent mixer's input, recorded during a verify pass for cheap rollback
+MixerInputs = dict[int, mx.array]
 
 
 def shared_causal_masks(inner: nn.Module, h: mx.array, cache: list[Any]) -> list[Any]:
@@ -63,7 +65,33 @@ def gemma4_embed(inner: nn.Module, tokens: mx.array) -> mx.array:
     return inner.embed_tokens(tokens) * inner.embed_scale
 
 
-def gemma4_layers(inner: nn.Module, tokens: mx.array, h: mx.array, cache: list[Any], hook: LayerHook) -> mx.array:
+def hybrid_layers(inner: nn.Module, tokens: mx.array, h: mx.array, cache: list[Any], hook: LayerHook,
+                  record: MixerInputs | None = None) -> mx.array:
+    """Qwen3.5 / Qwen3-Next decoder layers, keeping each GatedDeltaNet mixer's input.
+
+    Rolling back then only re-runs the recurrent mixers on the kept positions.
+    """
+    masks = hybrid_masks(inner, h, cache)
+    for i, (layer, c, mask) in enumerate(zip(inner.layers, cache, masks, strict=True)):
+        x = layer.input_layernorm(h)
+        if layer.is_linear:
+            if record is not None:
+                record[i] = x
+            h = h + layer.linear_attn(x, mask, c)
+        else:
+            h = h + layer.self_attn(x, mask, c)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hook(i, h)
+    return h
+
+
+def replay_mixer(inner: nn.Module, layer: int, inputs: mx.array, cache: Any) -> None:
+    """Advance one recurrent layer's state over recorded mixer inputs."""
+    inner.layers[layer].linear_attn(inputs, None, cache)
+
+
+def gemma4_layers(inner: nn.Module, tokens: mx.array, h: mx.array, cache: list[Any], hook: LayerHook,
+                  record: MixerInputs | None = None) -> mx.array:
     """Gemma 4's loop: per-layer input embeddings and K/V shared across late layers."""
     per_layer = None
     if inner.hidden_size_per_layer_input:
@@ -96,6 +124,7 @@ class TargetFamily:
     embed: Callable[[nn.Module, mx.array], mx.array] | None = None
     run_layers: Callable[..., mx.array] | None = None
     finish_logits: Callable[[nn.Module, mx.array], mx.array] | None = None
+    replay_mixer: Callable[[nn.Module, int, mx.array, Any], None] | None = None
 
     @staticmethod
     def text_model(model: nn.Module) -> nn.Module:
@@ -106,7 +135,8 @@ class TargetFamily:
 FAMILIES: tuple[TargetFamily, ...] = (
     TargetFamily(("qwen3", "qwen3_moe", "qwen2"), shared_causal_masks),
     TargetFamily(("llama", "mistral"), llama_masks),
-    TargetFamily(("qwen3_5", "qwen3_5_moe", "qwen3_next"), hybrid_masks),
+    TargetFamily(("qwen3_5", "qwen3_5_moe", "qwen3_next"), run_layers=hybrid_layers,
+                 replay_mixer=replay_mixer),
     TargetFamily(("gpt_oss",), gpt_oss_masks),
     TargetFamily(("gemma3_text",), gemma3_masks, embed=gemma3_embed),
     TargetFamily(("gemma4_text",), embed=gemma4_embed, run_layers=gemma4_layers,

@@ -123,7 +123,7 @@ def speculative_step(
             timings["draft"] = timings.get("draft", 0.0) + drafted - start
             start = drafted
     checkpoint = target.checkpoint(cache) if draft is not None else None
-    hidden, features = target.forward(inputs[None], cache, capture)
+    hidden, features = target.forward(inputs[None], cache, capture, checkpoint)
     logits = target.logits(hidden)[0]
     target_tokens = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
     if draft is None:

@@ -17,6 +17,7 @@ exactly the committed tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -24,10 +25,17 @@ import mlx.nn as nn
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from .errors import DFlashError
-from .families import FAMILIES, TargetFamily
+from .families import FAMILIES, MixerInputs, TargetFamily
 
 _TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
-Checkpoint = dict[int, tuple[Any, ...]]
+
+
+@dataclass
+class Checkpoint:
+    """Untrimmable cache states before a verify pass, and what that pass fed their mixers."""
+
+    states: dict[int, Any]
+    mixer_inputs: MixerInputs = field(default_factory=dict)
 
 
 def supported_model_types() -> list[str]:
@@ -99,13 +107,15 @@ class TargetModel:
         return finish(self.owner, out) if finish is not None else out
 
     def forward(
-        self, tokens: mx.array, cache: list[Any], capture: Sequence[int] = ()
+        self, tokens: mx.array, cache: list[Any], capture: Sequence[int] = (),
+        checkpoint: Checkpoint | None = None,
     ) -> tuple[mx.array, mx.array | None]:
         """Run the decoder on `tokens` (B, L), updating `cache`.
 
         Returns the final-normed hidden states (B, L, D) and the outputs of the
         `capture` layers concatenated on the feature axis (B, L, len(capture)*D),
-        or None when nothing is captured.
+        or None when nothing is captured. With a `checkpoint`, families that can
+        record their recurrent mixers' inputs do so into it (for a cheap rollback).
         """
         family = self.family
         h = family.embed(self.inner, tokens) if family.embed else self.embed(tokens)
@@ -117,7 +127,8 @@ class TargetModel:
                 captured[slots[i]] = out
 
         if family.run_layers is not None:
-            h = family.run_layers(self.inner, tokens, h, cache, keep)
+            record = checkpoint.mixer_inputs if checkpoint is not None else None
+            h = family.run_layers(self.inner, tokens, h, cache, keep, record)
         else:
             masks = family.build_masks(self.inner, h, cache)
             for i, (layer, c, mask) in enumerate(zip(self.inner.layers, cache, masks, strict=True)):
@@ -129,14 +140,16 @@ class TargetModel:
     def checkpoint(self, cache: list[Any]) -> Checkpoint | None:
         """References to the state of caches that cannot be trimmed (None when all can)."""
         saved = {i: _copy_state(c.state) for i, c in enumerate(cache) if not isinstance(c, _TRIMMABLE)}
-        return saved or None
+        return Checkpoint(saved) if saved else None
 
     def rollback(self, cache: list[Any], num_tokens: int, checkpoint: Checkpoint | None = None,
                  replay: mx.array | None = None) -> None:
         """Drop the last `num_tokens` positions from the cache.
 
         With a checkpoint taken before the last forward (whose first inputs, kept,
-        are `replay`), untrimmable caches are restored and `replay` recomputed.
+        are `replay`), untrimmable caches are restored and brought forward over the
+        kept inputs: by re-running only their recurrent mixers on the recorded
+        inputs when the family recorded them, else by replaying the whole model.
         """
         if num_tokens <= 0:
             return
@@ -146,11 +159,14 @@ class TargetModel:
                     raise DFlashError(f"target cache {type(c).__name__} cannot be rolled back")
                 c.trim(num_tokens)
             return
-        replayed = 0 if replay is None else replay.shape[-1]
+        kept = 0 if replay is None else replay.shape[-1]
+        mixers_only = set(checkpoint.states) <= set(checkpoint.mixer_inputs)
         for i, c in enumerate(cache):
-            if i in checkpoint:
-                c.state = _copy_state(checkpoint[i])
-            else:
-                c.trim(num_tokens + replayed)
-        if replayed:
+            if i not in checkpoint.states:
+                c.trim(num_tokens if mixers_only else num_tokens + kept)
+                continue
+            c.state = _copy_state(checkpoint.states[i])
+            if mixers_only and kept:
+                self.family.replay_mixer(self.inner, i, checkpoint.mixer_inputs[i][:, :kept], c)
+        if kept and not mixers_only:
             self.forward(replay.reshape(1, -1), cache)
