@@ -18,6 +18,8 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
+from . import kernels
+
 if TYPE_CHECKING:
     from .draft_cache import DraftContextCache
 
@@ -130,11 +132,22 @@ class Attention(nn.Module):
         self, x: mx.array, rope: nn.Module, position: int, cache: DraftContextCache, layer: int
     ) -> mx.array:
         B, L, _ = x.shape
-        q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
-        k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        backend = kernels.backend()
+        tables = kernels.rope_tables(rope, self.q_norm.weight.shape[0]) if backend else None
+        if tables is not None:
+            # One launch for both norms, both RoPEs and the attention layout.
+            q, k = kernels.prepare_block_qk(
+                q=self.q_proj(x), k=self.k_proj(x), q_norm_weight=self.q_norm.weight,
+                k_norm_weight=self.k_norm.weight, q_eps=self.q_norm.eps, k_eps=self.k_norm.eps,
+                tables=tables, offset=position, num_heads=self.n_heads, num_kv_heads=self.n_kv_heads,
+                backend=backend,
+            )
+        else:
+            q = self.q_norm(self.q_proj(x).reshape(B, L, self.n_heads, -1)).transpose(0, 2, 1, 3)
+            k = self.k_norm(self.k_proj(x).reshape(B, L, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+            q = rope(q, offset=position)
+            k = rope(k, offset=position)
         v = self.v_proj(x).reshape(B, L, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        q = rope(q, offset=position)
-        k = rope(k, offset=position)
         # The block's K/V are written after the cached context, in place, and the
         # whole span is attended non-causally: every block position sees everything.
         keys, values = cache.attend_span(layer, k, v)

@@ -4,7 +4,8 @@ The context K/V of all draft layers depend only on the fused context features,
 so one batched projection computes them for every layer at once; then each
 layer's k_norm and the shared RoPE are applied and the results are written
 into the draft cache. `inject_context_kv_reference` is the pure-MLX definition
-that the Metal kernel (mlx_dflash.kernels) must reproduce exactly.
+that the Metal kernel (mlx_dflash.kernels.context_kv) must reproduce; the
+injector uses the kernel where one is available.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
+from . import kernels
 from .draft_cache import DraftContextCache
 from .drafter import DFlashDraftModel
 
@@ -92,12 +94,26 @@ class ContextInjector:
         if offset != cache.offset:
             raise ValueError(f"injecting at position {offset} but the draft cache ends at {cache.offset}")
         context = self.drafter.fuse_context(target_hidden)
-        keys, values = inject_context_kv_reference(
-            kv=self.project(context),
-            k_norm_weight=self.k_norm_weight,
-            eps=self.eps,
-            rope=self.drafter.rope,
-            offset=offset,
-            dtype=cache.dtype,
-        )
+        backend = kernels.backend()
+        tables = kernels.rope_tables(self.drafter.rope, self.head_dim) if backend else None
+        if tables is not None:
+            # One launch for every layer's norm, RoPE, casts and cache layout.
+            keys, values = kernels.inject_context_kv(
+                kv=self.project(context),
+                k_norm_weight=self.k_norm_weight,
+                eps=self.eps,
+                tables=tables,
+                offset=offset,
+                dtype=cache.dtype,
+                backend=backend,
+            )
+        else:
+            keys, values = inject_context_kv_reference(
+                kv=self.project(context),
+                k_norm_weight=self.k_norm_weight,
+                eps=self.eps,
+                rope=self.drafter.rope,
+                offset=offset,
+                dtype=cache.dtype,
+            )
         cache.append(list(keys), list(values))

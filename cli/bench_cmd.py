@@ -1,0 +1,167 @@
+"""`dflash-mlx bench`: DFlash against the target alone (mlx-lm and our own engine), per dataset."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from mlx_dflash.errors import DFlashError
+
+from .main import app, err_console
+
+
+def parse_contexts(text: str | None) -> list[int | None]:
+    """'1k,4k,8k' -> [1024, 4096, 8192] (plain numbers are tokens)."""
+    if not text:
+        return [None]
+    out: list[int | None] = []
+    for part in text.replace(" ", "").split(","):
+        if not part:
+            continue
+        try:
+            n = int(float(part[:-1]) * 1024) if part.lower().endswith("k") else int(part)
+        except ValueError:
+            raise DFlashError(f"--context takes token counts like 1k,4k,8k or 512; got {part!r}") from None
+        if n < 1:
+            raise DFlashError(f"--context lengths must be positive, got {part!r}")
+        out.append(n)
+    return out or [None]
+
+
+def parse_block_sizes(values: list[str] | None) -> list[int]:
+    sizes = []
+    for v in values or []:
+        for part in v.replace(" ", "").split(","):
+            if part:
+                if not part.isdigit() or int(part) < 2:
+                    raise DFlashError(f"--block-size must be an integer >= 2, got {part!r}")
+                sizes.append(int(part))
+    return list(dict.fromkeys(sizes))
+
+
+def _cell(spread: dict | None, fmt: str, suffix: str = "") -> str:
+    if not spread:
+        return "-"
+    text = f"{spread['median']:{fmt}}{suffix}"
+    if spread["max"] > spread["min"]:
+        text += f" [dim]({spread['min']:{fmt}}-{spread['max']:{fmt}})[/]"
+    return text
+
+
+def results_table(rows: list[dict]) -> Table:
+    table = Table(title="dflash-mlx bench (median over repeats, range in brackets)", header_style="bold")
+    for name, justify in [("dataset", "left"), ("ctx", "right"), ("mode", "left"), ("tau", "right"),
+                          ("decode tok/s", "right"), ("speedup", "right"), ("vs target", "right"),
+                          ("TTFT s", "right"), ("peak GB", "right"), ("draft/verify/other ms", "right"),
+                          ("ok", "center")]:
+        table.add_column(name, justify=justify, no_wrap=name in ("dataset", "mode", "ok"))
+    for r in rows:
+        cyc = r["cycle_ms"]
+        table.add_row(
+            r["dataset"], str(r["context"] or "-"), r["mode"], f"{r['tau']:.2f}" if r["tau"] is not None else "-",
+            _cell(r["decode_tps"], ".1f"), _cell(r["speedup"], ".2f", "x") if r["mode"] != "mlx-lm" else "-",
+            _cell(r["speedup_vs_target"], ".2f", "x") if r["mode"] not in ("mlx-lm", "target") else "-",
+            _cell(r["ttft_s"], ".3f"), f"{r['peak_memory_gb']:.2f}",
+            "/".join(f"{cyc[k]:.1f}" for k in ("draft", "verify", "overhead")) if cyc else "-",
+            "[green]yes[/]" if not r["mismatches"] else f"[bold red]{r['mismatches']} differ[/]",
+        )
+    return table
+
+
+@app.command()
+def bench(
+    model: Annotated[str, typer.Option("--model", "-m", help="Target: mlx-lm model directory or Hugging Face repo id.")],
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id (without it only the target-alone modes run).")] = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", help="gsm8k | math500 | humaneval | mbpp | mt-bench | FILE (.jsonl/.json/.txt); repeatable.")] = None,
+    data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Directory with local copies of the datasets (default: download from the Hub).")] = None,
+    limit: Annotated[int, typer.Option("--limit", min=0, help="First N prompts of each dataset (0: all).")] = 10,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per turn.")] = 256,
+    block_size: Annotated[list[str] | None, typer.Option("--block-size", help="Draft block size(s): repeat or comma-separate (default: the drafter's).")] = None,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy, outputs checked identical).")] = 0.0,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed (each mode starts from it).")] = 0,
+    think: Annotated[bool | None, typer.Option("--think/--no-think", help="Thinking on/off where the chat template has it (default: the template's).")] = None,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Runs of every prompt (medians and range over them).")] = 1,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write every per-prompt record and the summary to FILE.")] = None,
+    report: Annotated[Path | None, typer.Option("--report", help="Write a Markdown report with PNG plots to DIR (needs matplotlib).")] = None,
+    context: Annotated[str | None, typer.Option("--context", help="Long-context sweep: pad prompts to these lengths, e.g. 1k,4k,8k.")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
+) -> None:
+    """Benchmark DFlash against the target alone: tau, speedup, TTFT, memory; greedy outputs must match."""
+    import mlx_dflash
+    from mlx_dflash.bench import (
+        BenchConfig,
+        DFlashEngine,
+        MlxLmEngine,
+        build_document,
+        load_prompts,
+        run_bench,
+    )
+
+    if report is not None:
+        from mlx_dflash.bench.report import _pyplot
+
+        _pyplot()  # fail before the long run, not after it
+    contexts = parse_contexts(context)
+    sizes = parse_block_sizes(block_size)
+    names = dataset or ["gsm8k"]
+    prompts = [p for name in names for p in load_prompts(name, data_dir, limit=limit or None)]
+    target, tokenizer, drafter = mlx_dflash.load(model, draft, dtype=dtype)
+    if sizes and drafter is None:
+        raise DFlashError("--block-size needs a --draft")
+    engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
+    if drafter is not None:
+        engines += [DFlashEngine(target, tokenizer, drafter, b) for b in (sizes or [drafter.block_size])]
+    config = BenchConfig(max_tokens=max_tokens, temp=temp, seed=seed, repeats=repeats, think=think,
+                         contexts=contexts)
+    total = sum(len(p.turns) for p in prompts) * repeats * len(contexts)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as progress:
+        task = progress.add_task("warming up", total=total)
+
+        def step(prompt, turn) -> None:
+            progress.update(task, advance=1, description=f"{prompt.dataset} {prompt.id}")
+
+        result = run_bench(engines, tokenizer, prompts, config, step)
+    settings = {
+        "model": model, "draft": draft, "datasets": names, "data_dir": str(data_dir) if data_dir else None,
+        "limit": limit, "max_tokens": max_tokens, "block_sizes": [e.block_size for e in engines if e.block_size],
+        "temp": temp, "seed": seed, "think": think, "repeats": repeats,
+        "contexts": [c for c in contexts if c], "dtype": dtype, "modes": [e.name for e in engines],
+    }
+    command = "dflash-mlx bench " + shlex.join(
+        ["--model", model, *(["--draft", draft] if draft else []), *(a for n in names for a in ("--dataset", n)),
+         *(["--data-dir", str(data_dir)] if data_dir else []), "--limit", str(limit),
+         "--max-tokens", str(max_tokens), *(a for b in sizes for a in ("--block-size", str(b))),
+         "--temp", str(temp), "--seed", str(seed), "--repeats", str(repeats),
+         *(["--think" if think else "--no-think"] if think is not None else []),
+         *(["--context", context] if context else [])]
+    )
+    doc = build_document(result, settings, command)
+    console = Console()
+    if not console.is_terminal:  # logs and pipes: keep each row on one line
+        console = Console(width=200)
+    console.print(results_table(doc["summary"]))
+    if json_path is not None:
+        try:
+            json_path.write_text(json.dumps(doc, indent=1))
+        except OSError as e:
+            raise DFlashError(f"{json_path}: cannot write ({e.strerror or e})") from None
+        err_console.print(f"records written to {json_path}")
+    if report is not None:
+        from mlx_dflash.bench.report import write_report
+
+        err_console.print(f"report written to {write_report(doc, report)}")
+    if not result.ok:
+        for failure in result.failures:
+            err_console.print(f"[bold red]mismatch:[/] {failure}", highlight=False)
+        raise typer.Exit(1)
+
+
+__all__ = ["bench", "parse_contexts", "parse_block_sizes"]

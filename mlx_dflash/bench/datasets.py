@@ -1,0 +1,194 @@
+"""Benchmark prompts: the DFlash paper's five evaluation sets, worded as its reference benchmark words them.
+
+Each set is read from a local directory (`data_dir`, the file names of `../shared/data`)
+or, without one, downloaded from the Hugging Face Hub under its official dataset id.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import DFlashError
+
+REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+HUMANEVAL = (
+    "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
+)
+MBPP_TEST_IDS = range(11, 511)  # the sanitized set's test split
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark item: the user turns of a conversation (MT-Bench has two)."""
+
+    dataset: str
+    id: str
+    turns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Source:
+    local_file: str  # name in a --data-dir
+    repo_id: str  # official Hugging Face dataset id
+    hub_patterns: tuple[str, ...]  # files of the split inside that repo
+
+
+def _gsm8k(r: dict, i: int) -> tuple[str, tuple[str, ...]]:
+    return str(i), (r["question"] + REASON,)
+
+
+def _math500(r: dict, i: int) -> tuple[str, tuple[str, ...]]:
+    return str(r.get("unique_id", i)), (r["problem"] + REASON,)
+
+
+def _humaneval(r: dict, i: int) -> tuple[str, tuple[str, ...]]:
+    return str(r["task_id"]), (HUMANEVAL.format(prompt=r["prompt"]),)
+
+
+def _mbpp(r: dict, i: int) -> tuple[str, tuple[str, ...]] | None:
+    if int(r["task_id"]) not in MBPP_TEST_IDS:
+        return None
+    return str(r["task_id"]), (r["prompt"],)
+
+
+def _mt_bench(r: dict, i: int) -> tuple[str, tuple[str, ...]]:
+    turns = r.get("turns", r.get("prompt"))
+    return str(r.get("question_id", i)), tuple(turns)
+
+
+# name -> (where it lives, record -> (id, user turns) or None to skip the record)
+SOURCES: dict[str, tuple[Source, Callable]] = {
+    "gsm8k": (Source("gsm8k_test.jsonl", "openai/gsm8k", ("main/test-*.parquet",)), _gsm8k),
+    "math500": (Source("math500_test.jsonl", "HuggingFaceH4/MATH-500", ("test.jsonl",)), _math500),
+    "humaneval": (
+        Source("humaneval.jsonl.gz", "openai/openai_humaneval", ("openai_humaneval/test-*.parquet",)),
+        _humaneval,
+    ),
+    "mbpp": (Source("mbpp_sanitized.json", "google-research-datasets/mbpp", ("sanitized/test-*.parquet",)),
+             _mbpp),
+    "mt-bench": (
+        Source("mt_bench_questions.jsonl", "HuggingFaceH4/mt_bench_prompts", ("raw/question.jsonl",)),
+        _mt_bench,
+    ),
+}
+DATASETS = tuple(SOURCES)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Records of a .jsonl / .json / .parquet file (optionally gzipped)."""
+    name = path.name.removesuffix(".gz")
+    if name.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise DFlashError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise DFlashError(f"{path}: cannot read ({e.strerror or e})") from None
+    try:
+        if name.endswith(".json"):
+            data = json.loads(text)
+            return data if isinstance(data, list) else data.get("data", [data])
+        return [json.loads(line) for line in text.splitlines() if line.strip()]
+    except json.JSONDecodeError as e:
+        raise DFlashError(f"{path}: not valid JSON ({e})") from None
+
+
+def _prompts(name: str, records: Iterable[dict], convert: Callable, where: Path) -> list[Prompt]:
+    out = []
+    for i, r in enumerate(records):
+        try:
+            item = convert(r, i)
+        except (KeyError, TypeError, ValueError) as e:
+            raise DFlashError(f"{where}: record {i} is not a {name} record (missing {e})") from None
+        if item is not None:
+            out.append(Prompt(name, item[0], item[1]))
+    return out
+
+
+def _hub_files(source: Source, cache_dir: str | Path | None, local_files_only: bool) -> list[Path]:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        root = Path(snapshot_download(
+            source.repo_id, repo_type="dataset", allow_patterns=list(source.hub_patterns),
+            cache_dir=cache_dir, local_files_only=local_files_only,
+        ))
+    except LocalEntryNotFoundError:
+        raise DFlashError(
+            f"dataset {source.repo_id} is not in the local Hugging Face cache and the Hub cannot be reached; "
+            "pass --data-dir with local copies"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as e:
+        raise DFlashError(f"could not download dataset {source.repo_id}: {str(e).splitlines()[0]}") from None
+    files = sorted(f for pattern in source.hub_patterns for f in root.glob(pattern))
+    if not files:
+        raise DFlashError(f"dataset {source.repo_id}: no {', '.join(source.hub_patterns)} in {root}")
+    return files
+
+
+def load_prompts(
+    name: str,
+    data_dir: str | Path | None = None,
+    *,
+    limit: int | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool = False,
+) -> list[Prompt]:
+    """Prompts of a named set (gsm8k, math500, humaneval, mbpp, mt-bench) or of a FILE.
+
+    A FILE is .jsonl/.json (records with `turns`, `prompt`, `question` or `problem`) or
+    .txt (one prompt per line).
+    """
+    if name in SOURCES:
+        source, convert = SOURCES[name]
+        if data_dir is not None:
+            path = Path(data_dir).expanduser() / source.local_file
+            if not path.exists():
+                raise DFlashError(f"{path}: no such file (--data-dir must hold {source.local_file})")
+            prompts = _prompts(name, read_records(path), convert, path)
+        else:
+            files = _hub_files(source, cache_dir, local_files_only)
+            prompts = _prompts(name, (r for f in files for r in read_records(f)), convert, files[0].parent)
+    else:
+        prompts = load_file(Path(name).expanduser())
+    if not prompts:
+        raise DFlashError(f"dataset {name}: no prompts")
+    return prompts[:limit] if limit is not None else prompts
+
+
+def _file_record(r: Any, i: int) -> tuple[str, tuple[str, ...]]:
+    if isinstance(r, str):
+        return str(i), (r,)
+    for key in ("turns", "prompt", "question", "problem", "text"):
+        value = r.get(key)
+        if isinstance(value, str) and value:
+            return str(r.get("id", i)), (value,)
+        if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+            return str(r.get("id", i)), tuple(value)
+    raise KeyError("turns/prompt/question/problem/text")
+
+
+def load_file(path: Path) -> list[Prompt]:
+    """A user's prompt file: .txt (one per line) or .jsonl/.json records."""
+    if not path.is_file():
+        raise DFlashError(
+            f"{path}: unknown dataset and no such file (datasets: {', '.join(DATASETS)}, or a .jsonl/.json/.txt file)"
+        )
+    name = path.name.removesuffix(".gz")
+    if name.endswith(".txt"):
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [Prompt(path.stem, str(i), (line,)) for i, line in enumerate(lines)]
+    if not name.endswith((".jsonl", ".json", ".parquet")):
+        raise DFlashError(f"{path}: prompt files must be .txt, .jsonl, .json or .parquet")
+    return _prompts(path.stem, read_records(path), _file_record, path)

@@ -1,0 +1,104 @@
+"""The decoding modes a benchmark compares, behind one small interface.
+
+`MlxLmEngine` is mlx-lm's own `stream_generate` (the baseline people know);
+`DFlashEngine` is ours, with a drafter (DFlash) or without one (the engine's overhead).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_sampler
+
+from ..drafter import DFlashDraftModel
+from ..generate import stream_generate
+
+
+@dataclass
+class Run:
+    """One mode's generation for one prompt, timed from the outside the same way for every mode."""
+
+    tokens: list[int]  # generated ids, stop token excluded
+    prompt_tokens: int
+    ttft_s: float  # call to first token
+    decode_s: float  # first token to last
+    peak_memory_gb: float
+    finish_reason: str | None
+    acceptance_lengths: list[int] = field(default_factory=list)  # DFlash: a + 1 per cycle
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+
+
+class Engine(Protocol):
+    name: str
+    block_size: int | None
+
+    def run(self, prompt_ids: list[int], *, max_tokens: int, temp: float, seed: int | None) -> Run: ...
+
+
+class MlxLmEngine:
+    """The target alone through mlx-lm's `stream_generate`, with the same sampler as ours."""
+
+    block_size = None
+
+    def __init__(self, model: nn.Module, tokenizer: Any, name: str = "mlx-lm"):
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+
+    def run(self, prompt_ids: list[int], *, max_tokens: int, temp: float, seed: int | None) -> Run:
+        from mlx_lm.generate import stream_generate as lm_stream_generate
+
+        if seed is not None:
+            mx.random.seed(seed)
+        mx.reset_peak_memory()
+        tokens: list[int] = []
+        finish, first = None, None
+        start = time.perf_counter()
+        for response in lm_stream_generate(
+            self.model, self.tokenizer, mx.array(prompt_ids), max_tokens=max_tokens, sampler=make_sampler(temp)
+        ):
+            if first is None:
+                first = time.perf_counter()
+            finish = response.finish_reason
+            # The final response repeats a stop token (not output) or carries the last token ("length").
+            if finish is None or finish == "length":
+                tokens.append(int(response.token))
+        end = time.perf_counter()
+        first = first or end
+        return Run(tokens, len(prompt_ids), first - start, end - first, mx.get_peak_memory() / 1e9, finish)
+
+
+class DFlashEngine:
+    """Our `stream_generate`: DFlash with a drafter, the target alone without one."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, drafter: DFlashDraftModel | Any | None,
+                 block_size: int | None = None, name: str | None = None):
+        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
+        self.block_size = (block_size or getattr(drafter, "block_size", 16)) if drafter is not None else None
+        self.name = name or (f"dflash-b{self.block_size}" if drafter is not None else "target")
+
+    def run(self, prompt_ids: list[int], *, max_tokens: int, temp: float, seed: int | None) -> Run:
+        mx.reset_peak_memory()
+        tokens: list[int] = []
+        event, first = None, None
+        start = time.perf_counter()
+        for event in stream_generate(
+            self.model, self.tokenizer, prompt_ids, draft_model=self.drafter, max_tokens=max_tokens,
+            temp=temp, seed=seed, block_size=self.block_size, profile=self.drafter is not None,
+        ):
+            if first is None:
+                first = time.perf_counter()
+            tokens.extend(event.tokens)
+        end = time.perf_counter()
+        first = first or end
+        stats = event.stats if event is not None else None
+        timings = stats.timings if stats is not None else {}
+        return Run(
+            tokens, len(prompt_ids), first - start, end - first, mx.get_peak_memory() / 1e9,
+            event.finish_reason if event is not None else None,
+            list(stats.acceptance_lengths) if stats is not None and self.drafter is not None else [],
+            timings.get("draft", 0.0), timings.get("verify", 0.0),
+        )

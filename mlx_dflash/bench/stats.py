@@ -1,0 +1,98 @@
+"""Figures per dataset (and overall) and mode, from the per-prompt records: medians and spread over repeats."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from .runner import Record
+
+ALL = "all"
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """Median and range over repeats (one value per repeat)."""
+    if not values:
+        return {"median": 0.0, "min": 0.0, "max": 0.0}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def decode_tps(records: Sequence[Record]) -> float:
+    """Decoded tokens (after the prefill's) per decode second, pooled over the records."""
+    seconds = sum(r.decode_s for r in records)
+    return sum(max(r.generated_tokens - 1, 0) for r in records) / seconds if seconds > 0 else 0.0
+
+
+def histogram(lengths: Sequence[int]) -> list[int]:
+    """histogram[n] = cycles that committed n tokens."""
+    counts = [0] * (max(lengths, default=0) + 1)
+    for n in lengths:
+        counts[n] += 1
+    return counts
+
+
+def _by_repeat(records: Sequence[Record]) -> dict[int, list[Record]]:
+    out: dict[int, list[Record]] = defaultdict(list)
+    for r in records:
+        out[r.repeat].append(r)
+    return out
+
+
+def _ratio(mode: dict[int, list[Record]], base: dict[int, list[Record]]) -> list[float]:
+    out = []
+    for repeat, recs in sorted(mode.items()):
+        b = decode_tps(base.get(repeat, []))
+        if b > 0:
+            out.append(decode_tps(recs) / b)
+    return out
+
+
+def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str = "target") -> list[dict[str, Any]]:
+    """One row per (dataset, context, mode), then the same over all datasets (dataset "all")."""
+    groups: dict[tuple[str, int | None, str], list[Record]] = defaultdict(list)
+    for r in records:
+        groups[(r.dataset, r.context, r.mode)].append(r)
+        groups[(ALL, r.context, r.mode)].append(r)
+    datasets = list(dict.fromkeys(r.dataset for r in records))
+    if len(datasets) == 1:  # "all" would only repeat the one dataset
+        groups = {k: v for k, v in groups.items() if k[0] != ALL}
+    rows = []
+    for (dataset, context, mode), recs in groups.items():
+        per_repeat = _by_repeat(recs)
+        lengths = [n for r in recs for n in r.acceptance_lengths]
+        cycles = len(lengths)
+        draft, verify = sum(r.draft_s for r in recs), sum(r.verify_s for r in recs)
+        decode = sum(r.decode_s for r in recs)
+        base = _by_repeat(groups.get((dataset, context, baseline), []))
+        alone = _by_repeat(groups.get((dataset, context, target), []))
+        rows.append({
+            "dataset": dataset,
+            "context": context,
+            "mode": mode,
+            "block_size": recs[0].block_size,
+            "prompts": len({(r.dataset, r.prompt_id, r.turn) for r in recs}),
+            "runs": len(recs),
+            "generated_tokens": sum(r.generated_tokens for r in recs),
+            "mean_prompt_tokens": statistics.fmean(r.prompt_tokens for r in recs),
+            "decode_tps": spread([decode_tps(v) for _, v in sorted(per_repeat.items())]),
+            "ttft_s": spread([statistics.median(r.ttft_s for r in v) for _, v in sorted(per_repeat.items())]),
+            "speedup": spread(_ratio(per_repeat, base)) if base else None,
+            "speedup_vs_target": spread(_ratio(per_repeat, alone)) if alone else None,
+            "peak_memory_gb": max(r.peak_memory_gb for r in recs),
+            "tau": sum(lengths) / cycles if cycles else None,
+            "cycles": cycles,
+            "acceptance_histogram": histogram(lengths) if cycles else [],
+            # Per verify cycle: drafting, the target's verify pass, and everything else (sampling,
+            # acceptance, cache bookkeeping, detokenizing).
+            "cycle_ms": {
+                "draft": 1e3 * draft / cycles,
+                "verify": 1e3 * verify / cycles,
+                "overhead": 1e3 * max(decode - draft - verify, 0.0) / cycles,
+            } if cycles else None,
+            "mismatches": sum(r.match is False for r in recs),
+        })
+    order = {d: i for i, d in enumerate([*datasets, ALL])}
+    rows.sort(key=lambda r: (order[r["dataset"]], r["context"] or 0))
+    return rows

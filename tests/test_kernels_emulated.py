@@ -1,0 +1,313 @@
+"""The injection kernels' Metal source, run on the CPU through tests/emulate_metal.py.
+
+Each case replays the exact call the library makes (`launch_args`) through the
+emulated kernel and compares with the pure-MLX reference: fp32 tightly; fp16 and
+bf16 within one unit in the last place of the float32 reference cast once to the
+dtype (what a float32-internal kernel must give) and loosely against the dtype
+reference the engine runs without kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from emulate_metal import EmulatedKernel, compiler_available
+from mlx_lm.models.rope_utils import initialize_rope
+from tiny import tiny_drafter, tiny_target
+
+from mlx_dflash import kernels
+from mlx_dflash.draft_cache import DraftContextCache
+from mlx_dflash.injection import ContextInjector, inject_context_kv_reference
+from mlx_dflash.kernels import _common, block_qk, context_kv
+
+pytestmark = pytest.mark.skipif(not compiler_available(), reason="g++ is needed to emulate the Metal kernels")
+
+EPS = 1e-6
+F32, F16, BF16 = mx.float32, mx.float16, mx.bfloat16
+ULP = {F16: 2.0**-10, BF16: 2.0**-7}
+
+
+def _longrope(half: int) -> dict:
+    return {
+        "rope_type": "longrope", "original_max_position_embeddings": 4096,
+        "short_factor": [1.0] * half, "long_factor": [1.0 + 0.05 * i for i in range(half)],
+    }
+
+
+ROPES = {
+    "default": (1_000_000.0, lambda half: None),
+    "linear": (10_000.0, lambda half: {"type": "linear", "factor": 4.0}),
+    "llama3": (500_000.0, lambda half: {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }),
+    "yarn": (1_000_000.0, lambda half: {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+    }),
+    "longrope": (10_000.0, _longrope),
+}
+
+
+def make_rope(name: str, head_dim: int) -> nn.Module:
+    base, scaling = ROPES[name]
+    return initialize_rope(
+        head_dim, base=base, traditional=False, scaling_config=scaling(head_dim // 2),
+        max_position_embeddings=131072,
+    )
+
+
+@pytest.fixture(scope="session")
+def build_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("metal_emulation")
+
+
+def f32(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(F32))
+
+
+def close(actual: mx.array, expected: mx.array, rtol: float, atol: float) -> bool:
+    return actual.shape == expected.shape and np.allclose(f32(actual), f32(expected), rtol=rtol, atol=atol)
+
+
+def check(actual: mx.array, reference: mx.array, reference_f32: mx.array, dtype: mx.Dtype,
+          in_dtype: mx.Dtype | None = None) -> None:
+    """Within one ulp of the float32 reference cast once to `dtype`; loosely the reference run in the dtypes."""
+    assert actual.dtype == dtype and actual.shape == reference.shape
+    np.testing.assert_allclose(f32(actual), f32(reference_f32.astype(dtype)), rtol=ULP.get(dtype, 1e-5), atol=1e-5)
+    # The reference rounds to the input dtype at every step; the kernel only once, at the end.
+    low = in_dtype if in_dtype in ULP else dtype
+    tol = 8 * ULP[low] if low in ULP else 1e-5
+    np.testing.assert_allclose(f32(actual), f32(reference), rtol=tol, atol=tol)
+
+
+# ---------------------------------------------------------------- context K/V
+
+def context_inputs(B, n, layers, kv_heads, head_dim, in_dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    kv = mx.array(2.0 * rng.standard_normal((B, n, layers, 2, kv_heads, head_dim)), dtype=F32).astype(in_dtype)
+    weight = mx.array(1.0 + 0.2 * rng.standard_normal((layers, head_dim)), dtype=F32).astype(in_dtype)
+    return kv, weight
+
+
+def run_context(spec, build_dir, *, kv, weight, rope, offset, dtype):
+    tables = kernels.rope_tables(rope, kv.shape[-1])
+    args = context_kv.launch_args(kv=kv, k_norm_weight=weight, eps=EPS, tables=tables, offset=offset, dtype=dtype)
+    return EmulatedKernel(spec, build_dir)(**args)
+
+
+CONTEXT_CASES = [
+    # B, n, layers, kv_heads, head_dim, offset, input dtype, cache dtype, rope
+    (1, 1, 5, 4, 64, 0, F32, F32, "default"),
+    (1, 7, 5, 8, 128, 100_000, F32, F32, "default"),
+    (2, 3, 2, 2, 256, 37, F32, F32, "linear"),
+    (1, 4, 3, 2, 128, 100_000, F32, F32, "llama3"),
+    (1, 4, 3, 2, 128, 100_000, F32, F32, "yarn"),
+    (1, 4, 3, 2, 64, 5_000, F32, F32, "longrope"),
+    (1, 6, 5, 8, 128, 0, F16, F16, "default"),
+    (2, 6, 3, 4, 128, 100_000, BF16, BF16, "yarn"),
+    (1, 3, 2, 2, 256, 100_000, F16, F16, "llama3"),
+    (1, 5, 2, 2, 64, 12, BF16, F32, "default"),
+]
+
+
+@pytest.mark.parametrize("B,n,layers,kv_heads,head_dim,offset,in_dtype,dtype,rope_name", CONTEXT_CASES)
+def test_context_kv_matches_reference(build_dir, B, n, layers, kv_heads, head_dim, offset, in_dtype, dtype,
+                                      rope_name):
+    kv, weight = context_inputs(B, n, layers, kv_heads, head_dim, in_dtype)
+    rope = make_rope(rope_name, head_dim)
+    keys, values = run_context(context_kv.SPEC, build_dir, kv=kv, weight=weight, rope=rope, offset=offset,
+                               dtype=dtype)
+    ref_k, ref_v = inject_context_kv_reference(kv=kv, k_norm_weight=weight, eps=EPS, rope=rope, offset=offset,
+                                               dtype=dtype)
+    f32_k, f32_v = inject_context_kv_reference(kv=kv.astype(F32), k_norm_weight=weight.astype(F32), eps=EPS,
+                                               rope=rope, offset=offset, dtype=F32)
+    check(keys, ref_k, f32_k, dtype, in_dtype)
+    # Values are only cast and laid out: exactly the reference's.
+    assert values.dtype == dtype and np.array_equal(f32(values), f32(ref_v))
+
+
+# ---------------------------------------------------------------- block Q/K
+
+def block_reference(q, k, qw, kw, rope, offset, num_heads, num_kv_heads):
+    """The drafter's pure-MLX block path (Attention.__call__ without kernels)."""
+    B, L, _ = q.shape
+    qn = mx.fast.rms_norm(q.reshape(B, L, num_heads, -1), qw, EPS).transpose(0, 2, 1, 3)
+    kn = mx.fast.rms_norm(k.reshape(B, L, num_kv_heads, -1), kw, EPS).transpose(0, 2, 1, 3)
+    return rope(qn, offset=offset), rope(kn, offset=offset)
+
+
+def block_inputs(B, L, num_heads, num_kv_heads, head_dim, dtype, seed=1):
+    rng = np.random.default_rng(seed)
+
+    def arr(shape, scale=1.0, shift=0.0):
+        return mx.array(shift + scale * rng.standard_normal(shape), dtype=F32).astype(dtype)
+
+    return (arr((B, L, num_heads * head_dim), 2.0), arr((B, L, num_kv_heads * head_dim), 2.0),
+            arr((head_dim,), 0.2, 1.0), arr((head_dim,), 0.2, 1.0))
+
+
+def run_block(spec, build_dir, *, q, k, qw, kw, rope, offset, num_heads, num_kv_heads):
+    args = block_qk.launch_args(
+        q=q, k=k, q_norm_weight=qw, k_norm_weight=kw, q_eps=EPS, k_eps=EPS,
+        tables=kernels.rope_tables(rope, qw.shape[0]), offset=offset, num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+    )
+    return EmulatedKernel(spec, build_dir)(**args)
+
+
+BLOCK_CASES = [
+    # B, L, heads, kv_heads, head_dim, offset, dtype, rope
+    (1, 16, 8, 2, 128, 0, F32, "default"),
+    (2, 8, 4, 4, 64, 100_000, F32, "yarn"),
+    (1, 16, 4, 2, 64, 100_000, F32, "longrope"),
+    (1, 8, 4, 2, 256, 3, F32, "linear"),
+    (1, 16, 32, 8, 128, 100_000, BF16, "default"),
+    (1, 4, 4, 1, 256, 77, F16, "llama3"),
+]
+
+
+@pytest.mark.parametrize("B,L,num_heads,num_kv_heads,head_dim,offset,dtype,rope_name", BLOCK_CASES)
+def test_block_qk_matches_reference(build_dir, B, L, num_heads, num_kv_heads, head_dim, offset, dtype, rope_name):
+    q, k, qw, kw = block_inputs(B, L, num_heads, num_kv_heads, head_dim, dtype)
+    rope = make_rope(rope_name, head_dim)
+    q_out, k_out = run_block(block_qk.SPEC, build_dir, q=q, k=k, qw=qw, kw=kw, rope=rope, offset=offset,
+                             num_heads=num_heads, num_kv_heads=num_kv_heads)
+    ref_q, ref_k = block_reference(q, k, qw, kw, rope, offset, num_heads, num_kv_heads)
+    f32_q, f32_k = block_reference(*(a.astype(F32) for a in (q, k, qw, kw)), rope, offset, num_heads, num_kv_heads)
+    check(q_out, ref_q, f32_q, dtype)
+    check(k_out, ref_k, f32_k, dtype)
+
+
+# ---------------------------------------------------------------- broken copies must fail
+
+BROKEN = [
+    # kernel, where, what, original text, broken text
+    ("context", "source", "heads swapped", "* 2 * H + h) * D", "* 2 * H + (H - 1 - h)) * D"),
+    ("context", "source", "values read from K", "kv[src + H * D + i]", "kv[src + i]"),
+    ("context", "source", "last row never written", "if (row >= L * B * H * n)", "if (row + 1 >= L * B * H * n)"),
+    ("block", "source", "positions reversed", "q_out + (size_t(b * HQ + h) * L + pos) * D",
+     "q_out + (size_t(b * HQ + h) * L + (L - 1 - pos)) * D"),
+    ("block", "source", "q weight on keys", "k_norm_weight, inv_freq, params[1]", "q_norm_weight, inv_freq, params[1]"),
+    ("context", "header", "norm weight missing", " * static_cast<float>(weight[i + D / 2])", ""),
+    ("context", "header", "rope sign", "a * c - b * s", "a * c + b * s"),
+    ("block", "header", "rms without mean", "sum_sq / D + eps", "sum_sq + eps"),
+]
+
+
+@pytest.mark.parametrize("kernel,where,what,old,new", BROKEN, ids=[b[2] for b in BROKEN])
+def test_broken_kernel_copy_fails(build_dir, kernel, where, what, old, new):
+    spec = context_kv.SPEC if kernel == "context" else block_qk.SPEC
+    text = getattr(spec, where)
+    assert text.count(old) == 1, f"mutation target for '{what}' not found once"
+    broken = dataclasses.replace(spec, name=spec.name + "_broken", **{where: text.replace(old, new)})
+    rope = make_rope("default", 64)
+    if kernel == "context":
+        kv, weight = context_inputs(2, 5, 3, 2, 64, F32)
+        for got_spec, expect in ((spec, True), (broken, False)):
+            keys, values = run_context(got_spec, build_dir, kv=kv, weight=weight, rope=rope, offset=100, dtype=F32)
+            ref_k, ref_v = inject_context_kv_reference(kv=kv, k_norm_weight=weight, eps=EPS, rope=rope, offset=100,
+                                                       dtype=F32)
+            ok = close(keys, ref_k, 1e-5, 1e-5) and close(values, ref_v, 1e-5, 1e-5)
+            assert ok is expect, f"{got_spec.name}: expected {'pass' if expect else 'failure'}"
+    else:
+        q, k, qw, kw = block_inputs(2, 6, 4, 2, 64, F32)
+        for got_spec, expect in ((spec, True), (broken, False)):
+            q_out, k_out = run_block(got_spec, build_dir, q=q, k=k, qw=qw, kw=kw, rope=rope, offset=100,
+                                     num_heads=4, num_kv_heads=2)
+            ref_q, ref_k = block_reference(q, k, qw, kw, rope, 100, 4, 2)
+            ok = close(q_out, ref_q, 1e-5, 1e-5) and close(k_out, ref_k, 1e-5, 1e-5)
+            assert ok is expect, f"{got_spec.name}: expected {'pass' if expect else 'failure'}"
+
+
+# ---------------------------------------------------------------- wired into the engine
+
+def test_engine_kernel_path_matches_pure_path(build_dir, monkeypatch):
+    """ContextInjector and Attention.__call__ on the (emulated) kernel path give the pure path's result."""
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter(target)
+    injector = ContextInjector(drafter)
+    args = drafter.args
+    rng = np.random.default_rng(3)
+    features = len(drafter.target_layer_ids) * args.hidden_size
+    chunks = [mx.array(rng.standard_normal((1, n, features)), dtype=F32) for n in (9, 3)]
+    block = mx.array(rng.standard_normal((1, args.block_size, args.hidden_size)), dtype=F32)
+
+    def draft_step():
+        cache = DraftContextCache(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
+                                  max_block_size=args.block_size)
+        offset = 0
+        for chunk in chunks:
+            injector(chunk, offset, cache)
+            offset += chunk.shape[1]
+        hidden = drafter(block, cache, offset - 1)
+        context = [k[..., : cache.stored, :] for k in cache.keys + cache.values]
+        mx.eval(hidden, context)
+        return hidden, context
+
+    assert kernels.backend() is None or mx.metal.is_available()
+    pure_hidden, pure_context = draft_step()
+
+    launches = []
+
+    def emulated(spec, kind):
+        launches.append(spec.name)
+        return EmulatedKernel(spec, build_dir)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(_common, "compiled", emulated)
+    kernel_hidden, kernel_context = draft_step()
+
+    # Two injections, then one block launch per draft layer.
+    assert launches == ["dflash_context_kv"] * 2 + ["dflash_block_qk"] * args.num_hidden_layers
+    for got, want in zip(kernel_context, pure_context, strict=True):
+        np.testing.assert_allclose(f32(got), f32(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(kernel_hidden), f32(pure_hidden), rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- selection and host tables
+
+def test_selection_and_kill_switch(monkeypatch):
+    monkeypatch.delenv(kernels.KILL_SWITCH_ENV, raising=False)
+    monkeypatch.delenv(kernels.CUDA_OPT_IN_ENV, raising=False)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)
+    assert kernels.backend() == "metal"
+    monkeypatch.setenv(kernels.KILL_SWITCH_ENV, "1")
+    assert kernels.backend() is None
+    monkeypatch.delenv(kernels.KILL_SWITCH_ENV)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    monkeypatch.setattr(mx.cuda, "is_available", lambda: True)
+    assert kernels.backend() is None  # the CUDA twin is opt-in until checked on a device
+    monkeypatch.setenv(kernels.CUDA_OPT_IN_ENV, "1")
+    assert kernels.backend() == "cuda"
+
+
+def test_metal_kernel_is_built_once():
+    # Constructing works everywhere (calling needs Metal); the object is cached.
+    first = _common.compiled(context_kv.SPEC, "metal")
+    assert _common.compiled(context_kv.SPEC, "metal") is first
+    assert _common.compiled(block_qk.SPEC, "metal") is not first
+
+
+def test_unsupported_ropes_keep_the_pure_path():
+    assert kernels.rope_tables(nn.RoPE(64, traditional=True, base=10000.0), 64) is None
+    assert kernels.rope_tables(nn.RoPE(32, base=10000.0), 64) is None  # partial rotation
+    dynamic = initialize_rope(64, base=10000.0, traditional=False,
+                              scaling_config={"type": "dynamic", "factor": 2.0}, max_position_embeddings=4096)
+    assert kernels.rope_tables(dynamic, 64) is None
+    yarn = make_rope("yarn", 64)
+    tables = kernels.rope_tables(yarn, 64)
+    assert tables is kernels.rope_tables(yarn, 64)  # computed once per module
+    assert tables.input_scale == pytest.approx(yarn.mscale) and tables.input_scale != 1.0
+
+
+def test_emulation_refuses_what_it_cannot_emulate(build_dir):
+    # A SIMD-group reduction is not in the shim: compiling fails rather than emulating it wrongly.
+    simd = dataclasses.replace(context_kv.SPEC, name="dflash_simd", source=context_kv.SOURCE.replace(
+        "const uint row = thread_position_in_grid.x;", "const uint row = simd_sum(thread_position_in_grid.x);"))
+    kv, weight = context_inputs(1, 2, 1, 1, 64, F32)
+    with pytest.raises(RuntimeError, match="failed to compile"):
+        run_context(simd, build_dir, kv=kv, weight=weight, rope=make_rope("default", 64), offset=0, dtype=F32)
