@@ -1,0 +1,10 @@
+"""Checkpoint conversion: PyTorch, safetensors and GGUF checkpoints to MLX directories."""
+
+from .convert import ConvertOptions, ConvertResult, convert, file_sha256
+from .progress import ProgressFn, no_progress
+from .quantize import BITS, GROUP_SIZES, RECIPES
+
+__all__ = [
+    "BITS", "GROUP_SIZES", "RECIPES", "ConvertOptions", "ConvertResult", "ProgressFn", "convert", "file_sha256",
+    "no_progress",
+]

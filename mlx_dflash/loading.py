@@ -10,8 +10,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
+from .compat import TargetShape, check_compatible  # noqa: F401  (re-exported)
 from .drafter import DFlashDraftModel, ModelArgs
-from .errors import DFlashError, IncompatibleDrafterError
+from .errors import DFlashError
 from .target import TargetModel
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
@@ -138,43 +139,25 @@ def load_drafter(
     return model
 
 
-def check_compatible(drafter: DFlashDraftModel, target: TargetModel) -> None:
-    """One clear sentence naming both sides when the drafter was not made for the target."""
-    args = drafter.args
-    if args.hidden_size != target.hidden_size:
-        raise IncompatibleDrafterError(
-            f"drafter hidden size {args.hidden_size} != target hidden size {target.hidden_size}"
-        )
-    if args.vocab_size != target.vocab_size:
-        raise IncompatibleDrafterError(
-            f"drafter vocabulary {args.vocab_size} != target embedding rows {target.vocab_size}"
-        )
-    bad = [i for i in args.target_layer_ids if not 0 <= i < target.num_layers]
-    if bad:
-        raise IncompatibleDrafterError(
-            f"drafter target_layer_ids {bad} are outside the target's {target.num_layers} layers"
-        )
-    if not 0 <= args.mask_token_id < target.vocab_size:
-        raise IncompatibleDrafterError(
-            f"drafter mask_token_id {args.mask_token_id} is outside the target's "
-            f"embedding table of {target.vocab_size} rows"
-        )
-    if args.block_size < 2:
-        raise IncompatibleDrafterError(f"drafter block_size {args.block_size} must be >= 2")
-
-
 def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
                 revision: str | None = None) -> tuple[nn.Module, Any]:
     """An mlx-lm model and tokenizer, cast to `dtype` (float32 on the CPU by default)."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    path = resolve_path(path_or_repo, None, revision)
+    from .resolve import target_source
+
+    # Short names, .gguf files and PyTorch-only checkpoints go through the converted cache.
+    path = resolve_path(path_or_repo, None, revision) if revision else target_source(path_or_repo)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: missing config.json")
+    from mlx_dflash.convert.config import rope_overrides
+
     try:
-        model, tokenizer = mlx_lm_load(str(path))
+        # transformers-5 configs nest rope_theta; mlx-lm would silently use base 10000.
+        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(_read_json(path / "config.json")))
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
-        raise DFlashError(f"{path}: cannot load target ({str(e).splitlines()[0]})") from e
+        # One line, but whole: mlx-lm puts the names of missing weights on the next line.
+        raise DFlashError(f"{path}: cannot load target ({' '.join(str(e).split())})") from e
     TargetModel(model)  # fails early, naming the supported families
     cast_floats(model, dtype)
     return model, tokenizer
@@ -188,6 +171,10 @@ def load(
 ) -> tuple[nn.Module, Any, DFlashDraftModel | None]:
     """Load a target (mlx-lm format) and optionally its DFlash drafter.
 
+    Each may be a directory, a Hub repo id or a known short name (`Qwen3-8B`, see
+    `mlx_dflash.resolve.KNOWN_PAIRS`); a target may also be a .gguf file or a
+    PyTorch-only checkpoint, converted once into the converted-weights cache.
+
     Returns (model, tokenizer, draft_model) ready for `generate`/`stream_generate`.
     `dtype` is one of float32/float16/bfloat16; default float32 on the CPU.
     """
@@ -198,5 +185,7 @@ def load(
     drafter = None
     if draft is not None:
         target = TargetModel(target_model)
-        drafter = load_drafter(draft, target, dtype=mx_dtype or target.dtype)
+        from .resolve import drafter_source
+
+        drafter = load_drafter(drafter_source(draft), target, dtype=mx_dtype or target.dtype)
     return target_model, tokenizer, drafter

@@ -1,0 +1,34 @@
+"""`dflash-mlx models`: the known target/drafter pairs and what is cached locally."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from .main import app
+
+
+@app.command()
+def models() -> None:
+    """List the short names of known target/drafter pairs and the converted-weights cache."""
+    from mlx_dflash.resolve import KNOWN_PAIRS, cached_conversions, converted_cache_dir, in_hub_cache
+
+    console = Console()
+    table = Table(title="Known pairs (use the short name as MODEL or SRC)")
+    for column in ("short name", "target repo", "drafter repo", "in HF cache"):
+        table.add_column(column, overflow="fold")
+    for pair in KNOWN_PAIRS:
+        cached = [role for role, repo in (("target", pair.target), ("drafter", pair.drafter)) if in_hub_cache(repo)]
+        table.add_row(pair.name, pair.target, pair.drafter, ", ".join(cached) or "-")
+    console.print(table)
+    entries = cached_conversions()
+    if not entries:
+        console.print(f"converted cache {converted_cache_dir()}: empty", highlight=False)
+        return
+    cache = Table(title=f"Converted cache ({converted_cache_dir()})")
+    for column in ("kind", "source", "options", "size", "directory"):
+        cache.add_column(column, overflow="fold")
+    for e in entries:
+        options = ", ".join(f"{k}={v}" for k, v in e["options"].items() if v not in (None, False)) or "as is"
+        cache.add_row(e["kind"], str(e["source"]), options, f"{e['bytes'] / 2**20:.1f} MiB", e["path"].name)
+    console.print(cache)

@@ -1,0 +1,139 @@
+"""GGUF targets: weights renamed to Hugging Face names, config and tokenizer rebuilt from metadata.
+
+`mx.load` reads Q4_0/Q4_1/Q8_0 tensors as group-32 packed weights; files it
+cannot read (K-quants) are dequantized with the `gguf` package instead.
+llama.cpp stores llama q/k rows permuted for its rotary layout; that is undone.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_dflash.errors import DFlashError
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
+    if key not in meta:
+        if default is None:
+            raise DFlashError(f"GGUF metadata has no {key}")
+        return default
+    value = meta[key]
+    return value.item() if hasattr(value, "item") else value
+
+
+def read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    try:
+        return mx.load(str(path), return_metadata=True)
+    except Exception as mlx_error:  # K-quants and other types MLX cannot read
+        try:
+            return _read_with_gguf_package(path)
+        except ImportError:
+            raise DFlashError(
+                f"{path}: MLX cannot read this GGUF ({str(mlx_error).splitlines()[0]}); "
+                "install the gguf package to dequantize it: pip install 'mlx-dflash[gguf]'"
+            ) from None
+
+
+def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:
+        raise DFlashError(f"{path}: not a readable GGUF file ({str(e).splitlines()[0]})") from None
+    meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
+    tensors = {}
+    for t in reader.tensors:
+        values = dequantize(t.data, t.tensor_type)
+        # GGUF lists dimensions innermost first.
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        tensors[t.name] = mx.array(np.asarray(values, dtype=np.float32).reshape(shape))
+    return tensors, meta
+
+
+def _unpermute(w: mx.array, n_heads: int) -> mx.array:
+    """Undo llama.cpp's q/k row order (rows of weight, scales and biases alike)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, mx.array], where: str) -> dict[str, Any]:
+    arch = str(_scalar(meta, "general.architecture"))
+    if arch not in ARCHITECTURES:
+        raise DFlashError(f"{where}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+    hidden = int(_scalar(meta, f"{arch}.embedding_length"))
+    heads = int(_scalar(meta, f"{arch}.attention.head_count"))
+    config: dict[str, Any] = {
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch,
+        "hidden_size": hidden,
+        "num_hidden_layers": int(_scalar(meta, f"{arch}.block_count")),
+        "intermediate_size": int(_scalar(meta, f"{arch}.feed_forward_length")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(_scalar(meta, f"{arch}.attention.head_count_kv", heads)),
+        "head_dim": int(_scalar(meta, f"{arch}.attention.key_length", hidden // heads)),
+        "rms_norm_eps": float(_scalar(meta, f"{arch}.attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(_scalar(meta, f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(_scalar(meta, f"{arch}.context_length", 4096)),
+        "vocab_size": int(tensors["token_embd.weight"].shape[0]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+    }
+    for name in ("bos", "eos", "padding"):
+        key = f"tokenizer.ggml.{name}_token_id"
+        if key in meta:
+            config["pad_token_id" if name == "padding" else f"{name}_token_id"] = int(_scalar(meta, key))
+    return config
+
+
+def hf_weights(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+    """GGUF tensor names -> Hugging Face names; llama q/k rows back in Hugging Face order."""
+    out = {}
+    for name, value in tensors.items():
+        m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias|scales|biases)", name)
+        if m:
+            layer, part, suffix = m.groups()
+            if part not in _LAYER_NAMES:
+                raise DFlashError(f"GGUF tensor {name} has no Hugging Face counterpart")
+            if config["model_type"] == "llama" and part in ("attn_q", "attn_k"):
+                heads = config["num_attention_heads" if part == "attn_q" else "num_key_value_heads"]
+                value = _unpermute(value, heads)
+            out[f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"] = value
+            continue
+        base, _, suffix = name.rpartition(".")
+        if base in _TOP_NAMES:
+            out[f"{_TOP_NAMES[base]}.{suffix}"] = value
+        elif base != "rope_freqs":  # llama.cpp's rope table is recomputed by the model
+            raise DFlashError(f"GGUF tensor {name} has no Hugging Face counterpart")
+    return out
+
+
+def save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
+    """Rebuild the fast tokenizer and chat template from GGUF metadata (transformers, no torch)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    except Exception as e:
+        raise DFlashError(
+            f"{path}: cannot rebuild the tokenizer from GGUF metadata ({str(e).splitlines()[0]})"
+        ) from None
+    template = meta.get("tokenizer.chat_template")
+    if template and not getattr(tokenizer, "chat_template", None):
+        tokenizer.chat_template = str(template)
+    tokenizer.save_pretrained(str(out_dir))

