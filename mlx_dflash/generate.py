@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -127,14 +128,36 @@ def stream_generate(
     stop = set(tokenizer.eos_token_ids) | set(stop_tokens)
     proposer = make_proposer(target, draft_model, block_size, draft_window)
     session = DecodingSession(target, proposer)
-    stats = GenerationStats(prompt_tokens=len(ids))
-    detokenizer = tokenizer.detokenizer
+    yield from stream_session(
+        session, ids, sampler, max_tokens=max_tokens, block_size=block_size, stop=stop,
+        detokenizer=tokenizer.detokenizer, profile=profile,
+    )
+
+
+def stream_session(
+    session: DecodingSession,
+    new_tokens: Sequence[int],
+    sampler: Any,
+    *,
+    max_tokens: int,
+    block_size: int,
+    stop: set[int],
+    detokenizer: Any,
+    profile: bool = False,
+) -> Iterator[GenerationEvent]:
+    """Feed `new_tokens` to an existing session, then decode one event per verify cycle.
+
+    Between events (at every `yield`) the session is consistent: every emitted token
+    is committed, so a caller may stop iterating there and keep using the session
+    (a multi-turn chat does). A stop token ends generation and stays committed.
+    """
+    stats = GenerationStats(prompt_tokens=len(new_tokens))
     detokenizer.reset()
     if max_tokens == 0:
         return
     mx.reset_peak_memory()
     clock = Clock()
-    produced, accepted = [session.extend(ids, sampler)], 0  # the prefill commits one token
+    produced, accepted = [session.extend(list(new_tokens), sampler)], 0  # the prefill commits one token
     stats.prefill_time = clock.lap()
     while True:
         finish = None

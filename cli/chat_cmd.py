@@ -1,0 +1,391 @@
+"""`dflash-mlx chat`: an interactive terminal chat that streams each accepted block as it lands."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from mlx_dflash.errors import DFlashError
+
+from .main import app
+
+DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
+TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
+PROMPT, MORE = ">>> ", "... "
+
+HELP = """\
+/help               this help
+/reset              start a new conversation (keeps the system message)
+/system TEXT        set the system message (/system alone clears it)
+/temp X             sampling temperature (0: greedy)
+/top-p X            nucleus sampling (0: off)
+/max-tokens N       most tokens per reply
+/block-size N       tokens per draft block (1: plain decoding)
+/think on|off       thinking switch of models that have one (e.g. Qwen3)
+/color on|off       colour drafted vs target tokens
+/stats              acceptance histogram and totals of this session
+/save FILE          write the conversation as JSON
+/exit               leave (also Ctrl-D, or Ctrl-C at the prompt)
+Multi-line input: end a line with \\ to continue it, or wrap the text in \"\"\" lines.
+Ctrl-C while a reply streams stops it; the partial reply stays in the conversation."""
+
+
+def _load(console: Console, model: str | None, draft: str | None, no_draft: bool, dtype: str | None,
+          quantize: bool, q_bits: int) -> tuple[Any, Any, Any, list[str]]:
+    """Resolve and load the pair; returns (model, tokenizer, drafter, lines describing them)."""
+    import mlx_dflash
+
+    notes: list[str] = []
+    source = "as given"
+    if model is None:
+        try:
+            from mlx_dflash.resolve import embedded_default_target
+        except ImportError:
+            raise DFlashError(
+                "no --model given and this install has no embedded default model; pass --model"
+            ) from None
+        with console.status("preparing the embedded default model (the first start converts it)"):
+            model = str(embedded_default_target())
+        source = "embedded default, SmolLM2-135M-Instruct"
+        if draft is None and not no_draft:
+            notes.append("[yellow]no trained DFlash drafter exists yet for the embedded default: "
+                         "plain decoding (no speedup)[/]")
+    else:
+        from mlx_dflash.resolve import is_short_name, known_pair
+
+        if is_short_name(model):
+            pair = known_pair(model)
+            source = f"short name for {pair.target}"
+            if draft is None and not no_draft:
+                draft = pair.drafter
+        elif draft is None and not no_draft:
+            notes.append("[yellow]no --draft given: plain decoding with the target alone[/]")
+    if no_draft:
+        draft = None
+        notes.append("--no-draft: plain decoding with the target alone")
+    quant = None
+    if quantize:
+        model, quant = _quantized(console, model, q_bits)
+    where = "local" if Path(model).expanduser().exists() else "Hugging Face cache or Hub"
+    with console.status(f"loading {model}" + (f" and {draft}" if draft else "")):
+        target, tokenizer, drafter = mlx_dflash.load(model, draft, dtype=dtype)
+    dtype_name = str(target.model.norm.weight.dtype).replace("mlx.core.", "")
+    lines = [
+        f"target   {model} ({source}, {where})",
+        f"drafter  {draft if drafter is not None else 'none (plain decoding)'}",
+        f"dtype    {dtype_name}" + (f", {quant}" if quant else ""),
+        *notes,
+    ]
+    return target, tokenizer, drafter, lines
+
+
+def _quantized(console: Console, model: str, bits: int) -> tuple[str, str]:
+    """The target quantized through the converted cache (converted on first use, then reused)."""
+    from mlx_dflash.convert import ConvertOptions
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    from mlx_dflash.resolve import converted, is_short_name, known_pair
+
+    source = known_pair(model).target if is_short_name(model) else model
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,
+                  transient=True) as bars:
+        tasks: dict[str, Any] = {}
+
+        def progress(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bars.add_task(f"{bits}-bit conversion: {stage}", total=total or None)
+            bars.update(tasks[stage], completed=done, total=total or None)
+
+        path = converted(source, ConvertOptions(quantize=True, q_bits=bits), progress=progress)
+    return str(path), f"{bits}-bit quantized (converted cache)"
+
+
+class ChatUI:
+    """The REPL: reads input, dispatches slash commands, renders streaming replies."""
+
+    def __init__(self, console: Console, engine: Any, color: bool):
+        self.console = console
+        self.engine = engine
+        self.color = color
+
+    # -- input ---------------------------------------------------------------------------
+    def read_message(self) -> str | None:
+        """One message (possibly multi-line); None on Ctrl-D or Ctrl-C at the prompt."""
+        try:
+            line = input(PROMPT)
+        except (EOFError, KeyboardInterrupt):
+            return None
+        if line.strip() == '"""':
+            parts = []
+            while True:
+                try:
+                    line = input(MORE)
+                except EOFError:
+                    break
+                except KeyboardInterrupt:
+                    return ""  # Ctrl-C in a block cancels the message, not the chat
+                if line.strip() == '"""':
+                    break
+                parts.append(line)
+            return "\n".join(parts)
+        parts = []
+        while line.endswith("\\"):
+            parts.append(line[:-1])
+            try:
+                line = input(MORE)
+            except EOFError:
+                break
+            except KeyboardInterrupt:
+                return ""
+        parts.append(line)
+        return "\n".join(parts)
+
+    def run(self) -> None:
+        while True:
+            text = self.read_message()
+            if text is None:
+                self.console.print()
+                return
+            if not text.strip():
+                continue
+            if text.startswith("/"):
+                if self.command(text.strip()) == "exit":
+                    return
+                continue
+            try:
+                self.reply(text)
+            except DFlashError as e:
+                self.console.print(f"[red]{e}[/]", highlight=False)
+
+    # -- commands ------------------------------------------------------------------------
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        arg = arg.strip()
+        s = self.engine.settings
+        try:
+            if name in ("/exit", "/quit"):
+                return "exit"
+            elif name == "/help":
+                self.console.print(Text(HELP))
+            elif name == "/reset":
+                self.engine.reset()
+                self.console.print("[dim]conversation reset[/]")
+            elif name == "/system":
+                s.system = arg or None
+                self.console.print(f"[dim]system message {'set' if arg else 'cleared'}[/]")
+            elif name == "/temp":
+                s.temp = _number(arg, float, "/temp", 0.0)
+                self.console.print(f"[dim]temperature {s.temp}[/]")
+            elif name == "/top-p":
+                s.top_p = _number(arg, float, "/top-p", 0.0, 1.0)
+                self.console.print(f"[dim]top-p {s.top_p}[/]")
+            elif name == "/max-tokens":
+                s.max_tokens = _number(arg, int, "/max-tokens", 1)
+                self.console.print(f"[dim]max tokens {s.max_tokens}[/]")
+            elif name == "/block-size":
+                self.engine.set_block_size(_number(arg, int, "/block-size", 1))
+                self.console.print(f"[dim]block size {s.block_size}[/]")
+            elif name == "/think":
+                s.think = _switch(arg, "/think")
+                self.console.print(f"[dim]thinking {'on' if s.think else 'off'}[/]")
+            elif name == "/color":
+                self.color = _switch(arg, "/color")
+                self.console.print(f"[dim]colours {'on' if self.color else 'off'}[/]")
+            elif name == "/stats":
+                self.stats()
+            elif name == "/save":
+                self.save(arg)
+            else:
+                self.console.print(f"[red]unknown command {name}: /help lists them[/]", highlight=False)
+        except DFlashError as e:
+            self.console.print(f"[red]{e}[/]", highlight=False)
+        return None
+
+    def stats(self) -> None:
+        t = self.engine.totals
+        used, limit = self.engine.context_used(), self.engine.max_context
+        self.console.print(
+            f"{t.turns} turns, {t.prompt_tokens} prompt tokens computed, {t.generated_tokens} generated, "
+            f"tau {t.tau:.2f} over {len(t.acceptance_lengths)} cycles; context {used}"
+            + (f" of {limit}" if limit else "") + " tokens", highlight=False,
+        )
+        hist = t.histogram
+        if not t.acceptance_lengths:
+            return
+        table = Table("tokens/cycle", "cycles", "", box=None, pad_edge=False)
+        top = max(hist)
+        for n, count in enumerate(hist):
+            if n and count:
+                table.add_row(str(n), str(count), "#" * max(1, round(30 * count / top)))
+        self.console.print(table)
+
+    def save(self, path: str) -> None:
+        if not path:
+            raise DFlashError("/save needs a file name")
+        data = {
+            "messages": self.engine.conversation(),
+            "settings": asdict(self.engine.settings),
+            "acceptance_lengths": self.engine.totals.acceptance_lengths,
+        }
+        try:
+            Path(path).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+        except OSError as e:
+            raise DFlashError(f"cannot write {path}: {e.strerror}") from None
+        self.console.print(f"[dim]saved {len(data['messages'])} messages to {path}[/]", highlight=False)
+
+    # -- a reply -------------------------------------------------------------------------
+    def reply(self, text: str) -> None:
+        engine = self.engine
+        turn = engine.send(text)
+        live = _Stream(self.console) if self.console.is_terminal else None
+        previous = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, lambda *_: engine.request_stop())  # stop at the cycle's end
+        start = time.perf_counter()
+        try:
+            while True:
+                try:
+                    chunk = next(turn)
+                except StopIteration as done:
+                    result = done.value
+                    break
+                piece = Text()
+                piece.append(chunk.draft_text, DRAFT_STYLE if self.color else "")
+                piece.append(chunk.target_text, TARGET_STYLE if self.color else "")
+                st = chunk.event.stats
+                status = (f"{st.num_tokens} tok · {st.num_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s"
+                          f" · tau {st.tau:.2f} · {st.cycles} cycles · Ctrl-C stops")
+                if live:
+                    live.add(piece, status)
+                else:
+                    self.console.print(piece, end="")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+            if live:
+                live.close()
+        self.console.print()
+        st = result.stats
+        tail = {"stop": "", "length": " · stopped at the token limit", "interrupted": " · interrupted"}
+        self.console.print(
+            f"[dim]{st.num_tokens} tokens · {st.generation_tps:.1f} tok/s · tau {st.tau:.2f} · "
+            f"{st.cycles} cycles · prefill {result.new_tokens} new tokens ({result.reused_tokens} cached) "
+            f"in {st.prefill_time:.2f} s{tail[result.finish_reason]}[/]", highlight=False,
+        )
+
+
+class _Stream:
+    """Live area: the reply's unfinished last row plus a status line; finished rows scroll up."""
+
+    def __init__(self, console: Console):
+        self.console = console
+        self.current = Text()
+        self.status = ""
+        self.live = Live(console=console, refresh_per_second=12, transient=True)
+        self.live.start()
+
+    def add(self, piece: Text, status: str) -> None:
+        self.current.append_text(piece)
+        self.status = status
+        rows = self.current.wrap(self.console, max(self.console.width, 1), overflow="fold")
+        for row in rows[:-1]:
+            self.live.console.print(row, soft_wrap=True)
+        self.current = rows[-1] if len(rows) else Text()
+        if self.current.plain.endswith("\n"):  # wrap keeps no empty last row for a trailing newline
+            self.current = Text()
+        self.live.update(Group(self.current, Text(self.status, style="dim")))
+
+    def close(self) -> None:
+        self.live.stop()
+        self.console.print(self.current, end="")
+
+
+def _number(arg: str, kind: type, name: str, low: float, high: float | None = None) -> Any:
+    try:
+        value = kind(arg)
+    except ValueError:
+        raise DFlashError(f"{name} needs a {'whole ' if kind is int else ''}number, got {arg!r}") from None
+    if value < low or (high is not None and value > high):
+        raise DFlashError(f"{name} must be {'between ' + str(low) + ' and ' + str(high) if high else '>= ' + str(low)}")
+    return value
+
+
+def _switch(arg: str, name: str) -> bool:
+    if arg not in ("on", "off"):
+        raise DFlashError(f"{name} takes on or off")
+    return arg == "on"
+
+
+def _history(console: Console) -> None:
+    """Input history and line editing (readline, where the platform has it), kept across sessions."""
+    try:
+        import readline
+    except ImportError:
+        return
+    path = Path(os.environ.get("DFLASH_MLX_HISTORY", "~/.cache/mlx-dflash/chat_history")).expanduser()
+    try:
+        readline.read_history_file(path)
+    except OSError:
+        pass
+    import atexit
+
+    def write() -> None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(path)
+        except OSError:
+            pass
+
+    atexit.register(write)
+
+
+@app.command()
+def chat(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name, Hugging Face repo id or mlx-lm directory (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id.")] = None,
+    quantize: Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target (see --q-bits).")] = False,
+    q_bits: Annotated[int | None, typer.Option("--q-bits", min=2, max=8, help="Bits per weight when quantizing (default 4; implies --quantize).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy).")] = 0.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (0: off).")] = 0.0,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens per reply.")] = 1024,
+    block_size: Annotated[int | None, typer.Option("--block-size", min=1, help="Tokens per draft block (default: the drafter's).")] = None,
+    system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
+    no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,
+) -> None:
+    """Chat with a model in the terminal; each accepted draft block appears at once.
+
+    Drafted tokens the target accepted are shown in cyan, the target's own tokens in bold.
+    Type /help in the chat for its commands.
+    """
+    from mlx_dflash.chat import ChatEngine, ChatSettings
+
+    console = Console(no_color=no_color or None, highlight=False)
+    target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
+                                              quantize or q_bits is not None, q_bits or 4)
+    max_block = drafter.block_size if drafter is not None else 1
+    if block_size is not None and drafter is not None and block_size > max_block:
+        raise DFlashError(f"--block-size {block_size} exceeds the drafter's block size {max_block}")
+    settings = ChatSettings(temp=temp, top_p=top_p, max_tokens=max_tokens,
+                            block_size=block_size or max_block, system=system)
+    engine = ChatEngine(target, tokenizer, drafter, settings)
+    for line in lines:
+        console.print(line, highlight=False)
+    legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("target", TARGET_STYLE)) if not no_color else ""
+    console.print(Text.assemble(
+        f"block size {engine.settings.block_size}, context {engine.max_context or 'unbounded'} tokens; ",
+        legend, " · /help for commands, Ctrl-D to leave",
+    ), highlight=False)
+    if console.is_terminal:
+        _history(console)
+    ChatUI(console, engine, color=not no_color).run()

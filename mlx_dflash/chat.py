@@ -1,0 +1,244 @@
+"""A multi-turn conversation over one persistent `DecodingSession` (no printing: the CLI renders).
+
+Each turn renders the whole conversation with the chat template and feeds only
+the tokens after the longest prefix already committed, so earlier turns are never
+recomputed. When the template re-renders past turns differently from what was
+generated (end-of-turn markers, stripped thinking, a changed system message), the
+session is rolled back to the common prefix first: the state always equals a fresh
+session fed the same rendered history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_sampler
+
+from .drafter import DFlashDraftModel
+from .errors import DFlashError
+from .generate import GenerationEvent, GenerationStats, make_proposer, stream_session
+from .session import DecodingSession
+from .target import TargetModel
+
+
+class ContextOverflowError(DFlashError):
+    """The conversation no longer fits the model's context."""
+
+
+@dataclass
+class ChatSettings:
+    temp: float = 0.0
+    top_p: float = 0.0
+    max_tokens: int = 512
+    block_size: int = 16  # 1 or no drafter: plain decoding
+    think: bool | None = None  # None: the template's default
+    system: str | None = None
+
+
+@dataclass
+class ChatEvent:
+    """One verify cycle of a reply, with its text split by who produced it."""
+
+    draft_text: str  # text of the drafter's accepted tokens
+    target_text: str  # text of the target's own token(s)
+    event: GenerationEvent
+
+    @property
+    def text(self) -> str:
+        return self.draft_text + self.target_text
+
+
+@dataclass
+class TurnResult:
+    reply: str
+    tokens: list[int]  # generated tokens (a stop token excluded)
+    stats: GenerationStats
+    finish_reason: str  # "stop" | "length" | "interrupted"
+    new_tokens: int  # prompt tokens the target computed for this turn
+    reused_tokens: int  # committed tokens the turn reused from the cache
+
+
+@dataclass
+class SessionTotals:
+    turns: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+
+    @property
+    def histogram(self) -> list[int]:
+        counts = [0] * (max(self.acceptance_lengths, default=0) + 1)
+        for n in self.acceptance_lengths:
+            counts[n] += 1
+        return counts
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class ChatEngine:
+    """Messages, settings and the caches of one conversation."""
+
+    def __init__(
+        self,
+        model: nn.Module | TargetModel,
+        tokenizer: Any,
+        draft_model: DFlashDraftModel | Any | None = None,
+        settings: ChatSettings | None = None,
+        max_context: int | None = None,
+    ):
+        self.target = model if isinstance(model, TargetModel) else TargetModel(model)
+        self.tokenizer = tokenizer
+        self.draft_model = draft_model
+        self.settings = settings or ChatSettings()
+        self.max_block_size = max(getattr(draft_model, "block_size", 1), 1) if draft_model is not None else 1
+        if draft_model is None:
+            self.settings.block_size = 1
+        self.settings.block_size = min(self.settings.block_size, self.max_block_size)
+        self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None)
+        if not getattr(tokenizer, "chat_template", None):
+            raise DFlashError("this model's tokenizer has no chat template; chat needs one")
+        self.stop = set(tokenizer.eos_token_ids)
+        self.messages: list[dict[str, str]] = []
+        self.totals = SessionTotals()
+        self._stop_requested = False
+        self.session = self._new_session()
+
+    # -- state ---------------------------------------------------------------------------
+    def _new_session(self) -> DecodingSession:
+        proposer = make_proposer(self.target, self.draft_model, self.max_block_size)
+        return DecodingSession(self.target, proposer)
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays) and every cache."""
+        self.messages = []
+        self.totals = SessionTotals()
+        self.session = self._new_session()
+
+    def conversation(self) -> list[dict[str, str]]:
+        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        return system + self.messages
+
+    def render(self, messages: list[dict[str, str]] | None = None) -> list[int]:
+        """Token ids of the conversation followed by the assistant's generation prompt."""
+        kwargs = {} if self.settings.think is None else {"enable_thinking": self.settings.think}
+        ids = self.tokenizer.apply_chat_template(
+            self.conversation() if messages is None else messages, add_generation_prompt=True, **kwargs
+        )
+        return list(ids)
+
+    def sync(self, full: list[int]) -> list[int]:
+        """Roll the session back to its common prefix with `full`; return the tokens to feed."""
+        tokens = self.session.tokens
+        keep = common_prefix(tokens, full)
+        if keep == len(full):  # nothing new to feed: re-feed the last token
+            keep -= 1
+        if keep < 1:
+            self.session = self._new_session()
+        elif keep < len(tokens):
+            self.session.truncate(keep)
+        return full[len(self.session.tokens):]
+
+    def set_block_size(self, n: int) -> None:
+        if not 1 <= n <= self.max_block_size:
+            raise DFlashError(
+                f"block size must be between 1 and {self.max_block_size}"
+                + (" (no drafter: plain decoding)" if self.draft_model is None else " (the drafter's)")
+            )
+        self.settings.block_size = n
+
+    def request_stop(self) -> None:
+        """Ask the running reply to stop at the end of its current cycle (signal-safe)."""
+        self._stop_requested = True
+
+    # -- a turn --------------------------------------------------------------------------
+    def send(self, text: str, keep_partial: bool = True) -> Iterator[ChatEvent]:
+        """Add a user message and stream the reply; the generator's return value is a TurnResult.
+
+        Stopped early (`request_stop`, or the caller closing the generator), the partial
+        reply is kept as the assistant turn (or dropped with the user message when
+        `keep_partial` is false); either way the caches hold exactly what is kept.
+        """
+        self._stop_requested = False
+        messages = self.conversation() + [{"role": "user", "content": text}]
+        full = self.render(messages)
+        room = (self.max_context - len(full)) if self.max_context else None
+        if room is not None and room < 1:
+            raise ContextOverflowError(
+                f"the conversation would be {len(full)} tokens, over the model's context of "
+                f"{self.max_context}: /reset to start a new one"
+            )
+        max_tokens = self.settings.max_tokens if room is None else min(self.settings.max_tokens, room)
+        new = self.sync(full)
+        reused = len(self.session.tokens)
+        self.messages.append({"role": "user", "content": text})
+        sampler = make_sampler(self.settings.temp, top_p=self.settings.top_p)
+        stream = stream_session(
+            self.session, new, sampler, max_tokens=max_tokens, block_size=self.settings.block_size,
+            stop=self.stop, detokenizer=self.tokenizer.detokenizer,
+        )
+        generated: list[int] = []
+        shown = ""
+        finish, event, consistent = "interrupted", None, True
+        try:
+            for event in stream:
+                draft_ids = event.tokens[: event.num_draft_accepted]
+                draft_text = self._decoded(generated + draft_ids)[len(shown):]
+                generated += event.tokens
+                target_text = self._decoded(generated)[len(shown) + len(draft_text):]
+                shown += draft_text + target_text
+                yield ChatEvent(draft_text, target_text, event)
+                if event.finish_reason:
+                    finish = event.finish_reason
+                    break
+                if self._stop_requested:
+                    break
+        except GeneratorExit:
+            raise  # closed at a yield: the session is consistent
+        except BaseException:
+            consistent = False  # e.g. a hard Ctrl-C inside a cycle
+            raise
+        finally:
+            stream.close()
+            self._finish_turn(generated, finish, keep_partial, reused, consistent)
+        stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
+        self.totals.turns += 1
+        self.totals.prompt_tokens += len(new)
+        self.totals.generated_tokens += stats.num_tokens
+        self.totals.acceptance_lengths += stats.acceptance_lengths
+        return TurnResult(self.tokenizer.decode(generated), generated, stats, finish, len(new), reused)
+
+    def _finish_turn(self, generated: list[int], finish: str, keep_partial: bool, reused: int,
+                     consistent: bool) -> None:
+        if not consistent:
+            # Stopped mid-cycle: the caches may hold uncommitted work. Start them afresh; the
+            # next turn re-feeds the kept history (correct, only slower).
+            self.session = self._new_session()
+        if finish == "interrupted" and (not keep_partial or not generated):
+            self.messages.pop()  # the user message goes with its dropped reply
+            if consistent and reused >= 1:
+                self.session.truncate(reused)  # back to the state before this turn
+            elif consistent:
+                self.session = self._new_session()
+            return
+        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(generated)})
+
+    def _decoded(self, ids: list[int]) -> str:
+        # An incomplete multi-byte character decodes to U+FFFD: hold it back until completed.
+        return self.tokenizer.decode(ids).rstrip("\ufffd")
+
+    def context_used(self) -> int:
+        return len(self.session.tokens)

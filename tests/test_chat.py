@@ -1,0 +1,255 @@
+"""The chat engine: cache reuse across turns, template re-rendering, interruption, overflow."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
+
+import mlx_dflash
+from mlx_dflash.chat import ChatEngine, ChatSettings, ContextOverflowError
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.target import TargetModel
+
+
+class CountingTarget(TargetModel):
+    """Records how many positions each target forward pass computes."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.fed: list[int] = []
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        self.fed.append(tokens.shape[1])
+        return super().forward(tokens, cache, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target (with its tokenizer and chat template) and a random drafter for it."""
+    model = tiny_target("qwen3", seed=0)
+    path = save_target(model, "qwen3", tmp_path_factory.mktemp("target"))
+    target, tokenizer, _ = mlx_dflash.load(str(path))
+    return target, tokenizer, tiny_drafter(target, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def endless(pair):
+    """The same target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
+    target, tokenizer, _ = pair
+    model = tiny_target("qwen3", seed=0)
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
+    mx.eval(model.parameters())
+    return model, tokenizer, tiny_drafter(model, block_size=8)
+
+
+def run_turn(engine: ChatEngine, text: str, stop_after: int | None = None, **kwargs):
+    """Drive one turn; with `stop_after`, request a stop after that many cycle events."""
+    turn = engine.send(text, **kwargs)
+    events = 0
+    while True:
+        try:
+            next(turn)
+        except StopIteration as done:
+            return done.value
+        events += 1
+        if stop_after is not None and events == stop_after:
+            engine.request_stop()
+
+
+def assert_consistent(engine: ChatEngine) -> None:
+    """The caches hold every committed token but the pending one, as the session invariant says."""
+    session = engine.session
+    assert session.cache[0].offset == len(session.tokens) - 1
+    if hasattr(session.proposer, "cache"):  # a DFlash proposer's draft context
+        assert session.proposer.cache.offset == len(session.tokens) - 1
+
+
+def expected_reply(engine: ChatEngine, model, n: int) -> list[int]:
+    """Ground truth: mlx-lm's own greedy decoding of the fully rendered conversation."""
+    out = greedy_reference(model, engine.render(), n)
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
+
+
+def test_turn_two_prefills_only_its_new_tokens(pair):
+    model, tokenizer, drafter = pair
+    target = CountingTarget(model)
+    engine = ChatEngine(target, tokenizer, drafter, ChatSettings(max_tokens=40))
+    first = run_turn(engine, "hello there, how are you today?")
+    committed = list(engine.session.tokens)
+    assert first.reused_tokens == 0 and first.new_tokens == len(engine.render([engine.messages[0]]))
+    target.fed.clear()
+    offset = engine.session.cache[0].offset
+    second = run_turn(engine, "and now?")
+    full = engine.render(engine.messages[:-1])  # the conversation the second reply answered
+    assert full[: len(committed)] == committed  # the template extends what was generated
+    # Turn 2 computes the pending token plus the new tokens only, never the first turn again.
+    assert second.reused_tokens == len(committed)
+    # "</s>" is one (special) token; it is new too when the first reply did not end with it.
+    assert second.new_tokens == len(full) - len(committed) == len("<u>and now?<a>") + 1 + (
+        first.finish_reason != "stop")
+    assert target.fed[0] == second.new_tokens + 1  # the pending token, then the new ones
+    grown = second.new_tokens + len(second.tokens) + (second.finish_reason == "stop")
+    assert engine.session.cache[0].offset == offset + grown
+    assert_consistent(engine)
+    fresh = ChatEngine(model, tokenizer, None, ChatSettings(max_tokens=40))
+    fresh.messages = engine.messages[:-2]
+    assert run_turn(fresh, "and now?").tokens == second.tokens
+
+
+def test_next_turn_equals_fresh_session_and_target_alone(pair):
+    model, tokenizer, drafter = pair
+    engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=30))
+    finishes = set()
+    for text, limit in [("hello there", 200), ("second one", 5), ("third", 200)]:
+        engine.settings.max_tokens = limit
+        result = run_turn(engine, text)
+        finishes.add(result.finish_reason)
+        assert_consistent(engine)
+        history = engine.messages[:-2]
+        fresh = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=limit))
+        fresh.messages = list(history)
+        assert run_turn(fresh, text).tokens == result.tokens
+        fresh.messages = list(history) + [{"role": "user", "content": text}]
+        assert result.tokens == expected_reply(fresh, model, limit)
+    assert finishes == {"stop", "length"}  # both ways a reply can end were followed by a turn
+
+
+def test_accepted_drafts_across_turns_match_plain_decoding(pair):
+    """With a proposer that is often right, partially accepted blocks roll back across turns."""
+    model, tokenizer, _ = pair
+    turns = [("hello there", 200), ("first question", 12), ("what now?", 200), ("ok", 200)]
+    plain = ChatEngine(model, tokenizer, None, ChatSettings(max_tokens=200))
+    expected = []
+    for text, limit in turns:
+        plain.settings.max_tokens = limit
+        expected.append(run_turn(plain, text).tokens)
+    oracle = ScriptedProposer(list(plain.session.tokens), VOCAB, error_rate=0.25, target_layer_ids=[1, 2])
+    oracle.block_size = 6
+    engine = ChatEngine(model, tokenizer, oracle, ChatSettings(max_tokens=200))
+    for (text, limit), want in zip(turns, expected, strict=True):
+        engine.settings.max_tokens = limit
+        assert run_turn(engine, text).tokens == want
+        assert oracle.committed == len(engine.session.tokens) - 1
+        assert_consistent(engine)
+    assert engine.totals.tau > 1.5 and max(engine.totals.acceptance_lengths) == 6
+
+
+def test_template_that_rerenders_history_rolls_back(pair):
+    """Like Qwen3 dropping thinking from past turns: the re-render diverges from what was generated."""
+    model, tokenizer, drafter = pair
+    saved = tokenizer._tokenizer.chat_template
+    tokenizer._tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'][0] }}>"
+        "{% if m['role'] == 'assistant' %}{{ m['content'][:3] }}{% else %}{{ m['content'] }}{% endif %}"
+        "</s>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}"
+    )
+    try:
+        engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=20))
+        first = run_turn(engine, "tell me something")
+        assert len(first.tokens) > 3
+        prompt_len = first.new_tokens
+        second = run_turn(engine, "more")
+        # Rolled back to the common prefix: the prompt and the first 3 reply tokens.
+        assert second.reused_tokens == prompt_len + 3
+        assert_consistent(engine)
+        fresh = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=20))
+        fresh.messages = engine.messages[:2]
+        assert run_turn(fresh, "more").tokens == second.tokens
+        fresh.messages = engine.messages[:3]
+        assert second.tokens == expected_reply(fresh, model, 20)
+    finally:
+        tokenizer._tokenizer.chat_template = saved
+
+
+def test_changed_system_message_rerenders_from_the_start(pair):
+    model, tokenizer, drafter = pair
+    engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=15, system="be brief"))
+    run_turn(engine, "hi")
+    engine.settings.system = "be verbose"
+    result = run_turn(engine, "again")
+    assert result.reused_tokens == 4  # only "<s>" (one special token) and "be " are common
+    engine.messages.pop()
+    assert result.tokens == expected_reply(engine, model, 15)
+
+
+@pytest.mark.parametrize("keep_partial", [True, False])
+def test_interrupted_reply_keeps_caches_consistent(endless, keep_partial):
+    model, tokenizer, drafter = endless
+    engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=25))
+    run_turn(engine, "start")
+    before = list(engine.session.tokens)
+    engine.settings.max_tokens = 2000
+    cut = run_turn(engine, "a long story please", stop_after=3, keep_partial=keep_partial)
+    assert cut.finish_reason == "interrupted" and 0 < len(cut.tokens) < 2000
+    assert_consistent(engine)
+    if keep_partial:
+        assert engine.messages[-1] == {"role": "assistant", "content": tokenizer.decode(cut.tokens)}
+        assert len(engine.messages) == 4
+    else:
+        assert len(engine.messages) == 2 and engine.session.tokens == before
+    engine.settings.max_tokens = 25
+    after = run_turn(engine, "go on")
+    fresh = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=25))
+    fresh.messages = engine.messages[:-2]
+    assert run_turn(fresh, "go on").tokens == after.tokens
+    engine.messages.pop()
+    assert after.tokens == expected_reply(engine, model, 25)
+
+
+@pytest.mark.parametrize("how", ["close", "keyboard-interrupt"])
+def test_reply_abandoned_by_the_caller(endless, how):
+    """Closing the stream at a yield, or an exception thrown into it (hard Ctrl-C), stays correct."""
+    model, tokenizer, drafter = endless
+    engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=500))
+    turn = engine.send("once upon a time")
+    shown = [next(turn).event.tokens for _ in range(3)]
+    if how == "close":
+        turn.close()
+    else:
+        with pytest.raises(KeyboardInterrupt):
+            turn.throw(KeyboardInterrupt)
+    assert engine.messages[-1]["content"] == tokenizer.decode(sum(shown, []))
+    engine.settings.max_tokens = 20
+    result = run_turn(engine, "and then?")
+    assert_consistent(engine)
+    engine.messages.pop()
+    assert result.tokens == expected_reply(engine, model, 20)
+
+
+def test_context_overflow_is_a_clear_error_and_reset_recovers(pair):
+    model, tokenizer, drafter = pair
+    engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=1000), max_context=60)
+    first = run_turn(engine, "x" * 20)
+    # The reply is capped by the room left in the context, never run past it.
+    assert len(engine.session.tokens) <= 60
+    assert first.finish_reason in ("stop", "length")
+    kept = list(engine.messages)
+    with pytest.raises(ContextOverflowError, match="/reset"):
+        run_turn(engine, "y" * 40)
+    assert engine.messages == kept
+    engine.reset()
+    assert engine.messages == [] and engine.session.tokens == []
+    assert run_turn(engine, "short").finish_reason in ("stop", "length")
+
+
+def test_totals_histogram_and_block_size_limits(pair):
+    model, tokenizer, drafter = pair
+    engine = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=20))
+    a = run_turn(engine, "one")
+    b = run_turn(engine, "two")
+    totals = engine.totals
+    assert totals.turns == 2
+    assert totals.acceptance_lengths == a.stats.acceptance_lengths + b.stats.acceptance_lengths
+    assert sum(totals.histogram) == len(totals.acceptance_lengths)
+    assert totals.generated_tokens == len(a.tokens) + len(b.tokens)
+    with pytest.raises(DFlashError, match="between 1 and 8"):
+        engine.set_block_size(9)
+    engine.set_block_size(1)  # block 1: the target decodes alone, still through the session
+    c = run_turn(engine, "three")
+    assert set(c.stats.acceptance_lengths) <= {1}
+    plain = ChatEngine(model, tokenizer, None)
+    assert plain.settings.block_size == 1
+    with pytest.raises(DFlashError, match="no drafter"):
+        plain.set_block_size(4)
