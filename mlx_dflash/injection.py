@@ -62,8 +62,9 @@ class ContextInjector:
         self.num_kv_heads = attns[0].n_kv_heads
         self.head_dim = drafter.args.head_dim
         if isinstance(proto, nn.QuantizedLinear):
+            # Placeholder shapes (input must be a whole group); the stacked weights replace them.
             self.projection = nn.QuantizedLinear(
-                1, 1, bias="bias" in proto, group_size=proto.group_size, bits=proto.bits,
+                proto.group_size, 1, bias="bias" in proto, group_size=proto.group_size, bits=proto.bits,
                 mode=getattr(proto, "mode", "affine"),
             )
         else:

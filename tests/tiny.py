@@ -170,3 +170,49 @@ class ScriptedProposer:
 
     def state_arrays(self) -> list:
         return []
+
+
+class OracleProposer:
+    """Proposes the target's own greedy continuation of what was actually committed.
+
+    Unlike ScriptedProposer it follows sampled generations: it rebuilds the
+    committed token history from the prompt, the pending tokens it is given and
+    its own accepted proposals (a commit of n positions from `position` covers
+    the pending token and the first n - 1 proposed tokens). Single-turn only.
+    """
+
+    def __init__(self, model: nn.Module, prompt: list[int], target_layer_ids: list[int] | None = None):
+        self.model = model
+        self.tokens = list(prompt)  # committed tokens, known by value
+        self.target_layer_ids = target_layer_ids or [0]
+        self.committed = 0
+        self.pending: list[int] = []
+        self.last_draft: mx.array | None = None  # the latest proposal (tests inspect it)
+        self.proposals = 0
+
+    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+        assert position == self.committed == len(self.tokens), (position, self.committed, len(self.tokens))
+        seq = self.tokens + [int(last_token.item())]
+        out = []
+        for _ in range(block_size - 1):
+            logits = self.model(mx.array(seq + out, dtype=mx.uint32)[None])[0, -1]
+            out.append(int(mx.argmax(logits).item()))
+        self.pending = seq[-1:] + out
+        self.last_draft = mx.array(out, dtype=mx.uint32)
+        self.proposals += 1
+        return self.last_draft
+
+    def commit(self, features, position: int) -> None:
+        assert position == self.committed, (position, self.committed)
+        n = features.shape[1] if features is not None else 0
+        if position + n > len(self.tokens):  # a verify cycle's committed positions
+            assert position == len(self.tokens) and n <= len(self.pending)
+            self.tokens += self.pending[:n]
+        self.committed += n
+
+    def trim(self, num_positions: int) -> None:
+        self.committed -= num_positions
+        del self.tokens[self.committed:]
+
+    def state_arrays(self) -> list:
+        return []

@@ -1,0 +1,111 @@
+"""Shared fixtures: tiny random models (cached once per session), a fake tokenizer, markers.
+
+Everything here runs on the CPU in fp32; no network, no real checkpoints.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import pytest
+
+# Tests must never reach the network, whatever a saved model path looks like.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tiny import EOS_ID, VOCAB, tiny_drafter, tiny_target  # noqa: E402
+
+import mlx_dflash  # noqa: E402,F401  (Linux: OpenBLAS must load before mlx.core)
+
+# The families the core engine supports, each with its own weight seed (llama and
+# mistral share a config, so equal seeds would give two identical models).
+FAMILIES = {"qwen3": 0, "qwen3_moe": 1, "llama": 2, "mistral": 3, "qwen2": 4}
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: statistical or end-to-end test taking several seconds")
+    config.addinivalue_line("markers", "cli: runs the real `dflash-mlx` entry point in a subprocess")
+
+
+class FakeDetokenizer:
+    """mlx-lm's streaming detokenizer interface over a character-level vocabulary."""
+
+    def __init__(self, tokenizer: FakeTokenizer):
+        self.tokenizer = tokenizer
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.text = ""
+        self.offset = 0
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        segment = self.text[self.offset :]
+        self.offset = len(self.text)
+        return segment
+
+
+class FakeTokenizer:
+    """Just what `stream_generate` needs: encode, decode, eos ids and a detokenizer.
+
+    Ids 0..3 are specials (rendered as <i>); id i >= 4 is chr(28 + i), as in
+    `tiny.write_tokenizer`.
+    """
+
+    def __init__(self, eos_token_ids=(EOS_ID,), vocab: int = VOCAB):
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab = vocab
+        self.detokenizer = FakeDetokenizer(self)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 28 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" if i < 4 else chr(28 + i) for i in ids)
+
+
+@pytest.fixture
+def tokenizer() -> FakeTokenizer:
+    return FakeTokenizer()
+
+
+@pytest.fixture
+def make_tokenizer():
+    return FakeTokenizer
+
+
+@functools.cache
+def cached_target(family: str, seed: int | None = None, num_layers: int = 4, vocab: int = VOCAB):
+    """One tiny random target per (family, seed, depth, vocab) for the whole session.
+
+    Models are never mutated by the engine, so sharing them between tests is safe.
+    """
+    return tiny_target(family, seed=FAMILIES[family] if seed is None else seed,
+                       num_layers=num_layers, vocab=vocab)
+
+
+@functools.cache
+def cached_drafter(family: str, seed: int = 1, block_size: int = 8, mask_token_id: int = 3,
+                   num_layers: int = 2):
+    return tiny_drafter(cached_target(family), seed=seed, block_size=block_size,
+                        mask_token_id=mask_token_id, num_layers=num_layers)
+
+
+@pytest.fixture(scope="session")
+def targets():
+    """`targets(family, ...)` -> a cached tiny target of that family."""
+    return cached_target
+
+
+@pytest.fixture(scope="session")
+def drafters():
+    """`drafters(family, ...)` -> a cached tiny DFlash drafter for `targets(family)`."""
+    return cached_drafter

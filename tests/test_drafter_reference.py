@@ -1,0 +1,196 @@
+"""The drafter's numerics against an independent numpy reference of the method.
+
+The reference is written from the description of one decoding cycle (doc
+section 1, steps 2-4), not from our code: context features
+`hidden_norm(fc(concat))`; a block `[last token, MASK, ...]` embedded with the
+target's table; per Qwen3 draft layer queries from the block only
+(`q_norm(q_proj(x))`, RoPE), keys/values from the context features and from the
+block (`k_norm(k_proj(.))`, `v_proj(.)`, RoPE on both key sets at absolute
+positions), GQA, non-causal attention over [context; block], residual,
+post-attention RMSNorm, SwiGLU MLP, residual; final norm; the target's lm_head.
+It uses only numpy and the weights (read out as numpy arrays); no mlx_dflash
+function is called inside it. The drafter is driven the way the engine drives
+it: context committed through `DFlashProposer.commit`, then `propose` and the
+draft layers' hidden states at the block position.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from tiny import drafter_config, tiny_target
+
+from mlx_dflash.drafter import DFlashDraftModel, ModelArgs
+from mlx_dflash.speculative import DFlashProposer
+from mlx_dflash.target import TargetModel
+
+# ---------------------------------------------------------------- the reference
+
+
+def rms_norm(x, weight, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
+
+
+def rope(x, positions, theta):
+    """Non-interleaved RoPE ("rotate half", as Qwen3/HF do). x: (..., L, head_dim)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv_freq[None, :]  # (L, d/2)
+    cos = np.concatenate([np.cos(angles)] * 2, axis=-1)
+    sin = np.concatenate([np.sin(angles)] * 2, axis=-1)
+    rotated = np.concatenate([-x[..., d // 2 :], x[..., : d // 2]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def softmax(x):
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def reference_draft(w, cfg, features, block_tokens, embedding, lm_head, context_window=None):
+    """Hidden states (L, D) and logits (L, V) of the draft block after n context positions.
+
+    w: drafter weights by checkpoint key (numpy float64); features: (n, k*D) target
+    features of positions 0..n-1; block_tokens: [last token, MASK, ...] at positions n...
+    """
+    eps, theta = cfg["rms_norm_eps"], cfg["rope_theta"]
+    heads, kv_heads, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    n, L = features.shape[0], len(block_tokens)
+    ctx = rms_norm(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)  # (n, D)
+    ctx_pos, blk_pos = np.arange(n), np.arange(n, n + L)
+    if context_window is not None:  # the drafter sees only the last `window` context positions
+        ctx, ctx_pos = ctx[-context_window:], ctx_pos[-context_window:]
+    x = embedding[block_tokens]  # (L, D)
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
+
+        def heads_of(t, proj, count, p=p):
+            return (t @ w[p + f"self_attn.{proj}.weight"].T).reshape(len(t), count, hd).transpose(1, 0, 2)
+
+        q = rope(rms_norm(heads_of(h, "q_proj", heads), w[p + "self_attn.q_norm.weight"], eps), blk_pos, theta)
+        k_ctx = rope(rms_norm(heads_of(ctx, "k_proj", kv_heads), w[p + "self_attn.k_norm.weight"], eps),
+                     ctx_pos, theta)
+        k_blk = rope(rms_norm(heads_of(h, "k_proj", kv_heads), w[p + "self_attn.k_norm.weight"], eps),
+                     blk_pos, theta)
+        v_ctx, v_blk = heads_of(ctx, "v_proj", kv_heads), heads_of(h, "v_proj", kv_heads)
+        k = np.concatenate([k_ctx, k_blk], axis=1)  # (kv_heads, m + L, hd)
+        v = np.concatenate([v_ctx, v_blk], axis=1)
+        group = heads // kv_heads
+        out = np.empty((heads, L, hd))
+        for head in range(heads):  # GQA: query head `head` reads kv head `head // group`
+            scores = q[head] @ k[head // group].T / np.sqrt(hd)  # no mask: non-causal
+            out[head] = softmax(scores) @ v[head // group]
+        x = x + out.transpose(1, 0, 2).reshape(L, heads * hd) @ w[p + "self_attn.o_proj.weight"].T
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], eps)
+        mlp = silu(h @ w[p + "mlp.gate_proj.weight"].T) * (h @ w[p + "mlp.up_proj.weight"].T)
+        x = x + mlp @ w[p + "mlp.down_proj.weight"].T
+    hidden = rms_norm(x, w["norm.weight"], eps)
+    return hidden, hidden @ lm_head.T
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def numpy_weights(module) -> dict[str, np.ndarray]:
+    return {k: np.array(v, dtype=np.float64) for k, v in tree_flatten(module.parameters())}
+
+
+def target_head(target_model):
+    t = numpy_weights(target_model)
+    embedding = t["model.embed_tokens.weight"]
+    return embedding, t.get("lm_head.weight", embedding)
+
+
+def make_drafter(target_model, *, head_dim, num_layers, seed, mask_token_id=3, target_layer_ids=None):
+    cfg = drafter_config(target_model, num_layers=num_layers, block_size=8, mask_token_id=mask_token_id,
+                         target_layer_ids=target_layer_ids)
+    cfg.update(head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0)
+    drafter = DFlashDraftModel(ModelArgs.from_dict(cfg))
+    rng = np.random.default_rng(seed)
+    params = [
+        (k, mx.array((1 + 0.1 * rng.standard_normal(v.shape)) if v.ndim == 1
+                     else rng.standard_normal(v.shape) / np.sqrt(v.shape[-1]), dtype=mx.float32))
+        for k, v in tree_flatten(drafter.parameters())
+    ]
+    drafter.load_weights(params)
+    mx.eval(drafter.parameters())
+    return drafter, cfg
+
+
+@pytest.mark.parametrize(
+    "family, head_dim, chunks, window",
+    [
+        ("qwen3", 16, [37], None),  # tied embedding as lm_head, head_dim == hidden / heads
+        ("llama", 24, [5, 1, 30], None),  # separate lm_head, head_dim != hidden / heads; 3 commits
+        ("qwen2", 16, [20, 20], 12),  # a draft window: only the last 12 context positions
+    ],
+)
+def test_drafter_matches_numpy_reference(family, head_dim, chunks, window):
+    target_model = tiny_target(family, seed=5)
+    target = TargetModel(target_model)
+    drafter, cfg = make_drafter(target_model, head_dim=head_dim, num_layers=3, seed=11,
+                                target_layer_ids=[0, 2, 3])
+    block_size = cfg["block_size"]
+    proposer = DFlashProposer(drafter, target, max_block_size=block_size, window=window)
+    weights = numpy_weights(drafter)  # read before the proposer could have touched anything
+    embedding, lm_head = target_head(target_model)
+
+    n = sum(chunks)
+    rng = np.random.default_rng(0)
+    features = rng.standard_normal((n, 3 * target.hidden_size)).astype(np.float32)
+    start = 0
+    for size in chunks:  # committed in pieces, each at its absolute position
+        proposer.commit(mx.array(features[None, start : start + size]), start)
+        start += size
+    assert proposer.cache.offset == n
+
+    last = 77
+    block = [last] + [cfg["dflash_config"]["mask_token_id"]] * (block_size - 1)
+    ref_hidden, ref_logits = reference_draft(weights, cfg, features.astype(np.float64), block, embedding,
+                                             lm_head, context_window=window)
+
+    hidden = drafter(target.embed(mx.array([block], dtype=mx.uint32)), proposer.cache, n)
+    hidden = np.array(hidden[0], dtype=np.float64)
+    np.testing.assert_allclose(hidden, ref_hidden, rtol=1e-4, atol=1e-4)
+    logits = np.array(target.logits(mx.array(hidden[None], dtype=mx.float32))[0], dtype=np.float64)
+    np.testing.assert_allclose(logits, ref_logits, rtol=1e-4, atol=2e-4)
+
+    # propose: the argmax at block positions 1..B-1 (where the reference's top two are not a near-tie).
+    draft = np.array(proposer.propose(mx.array([last], dtype=mx.uint32), n, block_size))
+    assert draft.shape == (block_size - 1,)
+    top2 = np.sort(ref_logits[1:], axis=-1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 1e-3
+    assert clear.sum() >= block_size // 2
+    np.testing.assert_array_equal(draft[clear], ref_logits[1:].argmax(axis=-1)[clear])
+    # Drafting left the committed context as it was.
+    assert proposer.cache.offset == n
+
+
+def test_features_are_the_outputs_of_the_selected_layers():
+    """The captured features are HF `hidden_states[i + 1]`: decoder layer i's raw output.
+
+    Checked against mlx-lm's own forward: a copy of the model truncated to i + 1 layers,
+    with the final norm replaced by the identity, returns layer i's output as its hidden state.
+    """
+    import copy
+
+    import mlx.nn as nn
+
+    model = tiny_target("qwen3", seed=8)
+    target = TargetModel(model)
+    tokens = mx.array([[4, 50, 9, 100, 23, 7]], dtype=mx.uint32)
+    hidden, features = target.forward(tokens, target.make_cache(), capture=[3, 0, 2])
+    np.testing.assert_allclose(np.array(target.logits(hidden)), np.array(model(tokens)), rtol=1e-5, atol=1e-5)
+    per_layer = np.split(np.array(features[0]), 3, axis=-1)
+    for slot, layer in enumerate([3, 0, 2]):
+        truncated = copy.copy(model.model)
+        truncated.layers = model.model.layers[: layer + 1]
+        truncated.norm = nn.Identity()
+        np.testing.assert_allclose(per_layer[slot], np.array(truncated(tokens)[0]), rtol=1e-5, atol=1e-5)
