@@ -14,7 +14,7 @@ from rich.table import Table
 
 from mlx_dflash.errors import DFlashError
 
-from .main import app, err_console
+from .app import app, err_console
 
 
 def parse_contexts(text: str | None) -> list[int | None]:

@@ -18,7 +18,7 @@ from rich.text import Text
 
 from mlx_dflash.errors import DFlashError
 
-from .main import app
+from .app import app
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens

@@ -10,7 +10,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from mlx_dflash.errors import DFlashError
 
-from .main import app, err_console
+from .app import app, err_console
 
 STAGES = {"download": "downloading", "read": "reading", "quantize": "quantizing", "write": "writing"}
 

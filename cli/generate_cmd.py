@@ -9,7 +9,7 @@ import typer
 
 from mlx_dflash.errors import DFlashError
 
-from .main import app, err_console, fail
+from .app import app, err_console, fail
 
 JSON_SCHEMA_VERSION = 1
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from .main import app
+from .app import app
 
 
 @app.command()

@@ -122,6 +122,8 @@ def stream_generate(
         block_size = getattr(draft_model, "block_size", 16) if draft_model is not None else 1
     if block_size < 1:
         raise DFlashError(f"block size must be >= 1, got {block_size}")
+    if draft_window is not None and draft_window < 1:
+        raise DFlashError(f"draft window must be >= 1 token, got {draft_window}")
     if seed is not None:
         mx.random.seed(seed)
     sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)

@@ -91,16 +91,19 @@ class DecodingSession:
         drop = len(self.tokens) - length
         if drop <= 0:
             return
-        if self.target.checkpoint(self.cache) is None:
-            self.target.rollback(self.cache, drop)
+        try:
+            if self.target.checkpoint(self.cache) is not None:
+                raise ValueError("recurrent target state cannot be rewound")
             if self.proposer is not None:
-                self.proposer.trim(drop)
-        else:
-            # Recurrent state cannot be rewound without a checkpoint: recompute the kept prefix.
+                self.proposer.trim(drop)  # first: a draft window may refuse
+        except ValueError:
+            # Without a way back, recompute the kept prefix from scratch.
             self.cache = self.target.make_cache()
             if self.proposer is not None:
                 self.proposer.trim(len(self.tokens) - 1)
             self._feed(self.tokens[: length - 1], 0)
+        else:
+            self.target.rollback(self.cache, drop)
         del self.tokens[length:]
 
 

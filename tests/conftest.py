@@ -3,7 +3,10 @@
 Everything here runs on the CPU in fp32; no network, no real checkpoints.
 """
 
+# ruff: noqa: I001  (mlx_dflash first: on Linux it loads OpenBLAS before mlx.core)
 from __future__ import annotations
+
+import mlx_dflash  # noqa: F401
 
 import functools
 import os
@@ -14,8 +17,6 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from tiny import EOS_ID, VOCAB, tiny_drafter, tiny_target  # noqa: E402
-
-import mlx_dflash  # noqa: E402,F401  (Linux: OpenBLAS must load before mlx.core)
 
 # The families the core engine supports, each with its own weight seed (llama and
 # mistral share a config, so equal seeds would give two identical models).

@@ -265,3 +265,19 @@ def test_trim_forgets_the_last_positions_or_refuses():
     assert windowed.offset == 67
     windowed.trim(67)  # everything: an empty cache again
     assert windowed.offset == 0
+
+
+def test_truncate_past_a_compacted_window_recomputes(targets, drafters):
+    """A chat drops more than a draft window still holds: the session rebuilds, consistently."""
+    from mlx_lm.sample_utils import make_sampler
+
+    target, drafter = TargetModel(targets("qwen3")), drafters("qwen3")
+    greedy = make_sampler(0.0)
+    session = DecodingSession(target, DFlashProposer(drafter, target, max_block_size=8, window=4))
+    session.extend(list(range(10, 40)), greedy)
+    session.truncate(12)  # 19 positions back: more than the 4 the window kept
+    assert session.proposer.cache.offset == len(session.tokens) - 1 == session.cache[0].offset
+    session.extend([50, 51], greedy)
+    fresh = DecodingSession(target, DFlashProposer(drafter, target, max_block_size=8, window=4))
+    fresh.extend(session.tokens[:-3] + [50, 51], greedy)
+    assert fresh.tokens == session.tokens

@@ -1,0 +1,3 @@
+from mlx_dflash.cli.main import main
+
+main()
