@@ -138,7 +138,7 @@ FAMILIES: tuple[TargetFamily, ...] = (
     TargetFamily(("qwen3_5", "qwen3_5_moe", "qwen3_next"), run_layers=hybrid_layers,
                  replay_mixer=replay_mixer),
     TargetFamily(("gpt_oss",), gpt_oss_masks),
-    TargetFamily(("gemma3_text",), gemma3_masks, embed=gemma3_embed),
-    TargetFamily(("gemma4_text",), embed=gemma4_embed, run_layers=gemma4_layers,
+    TargetFamily(("gemma3", "gemma3_text"), gemma3_masks, embed=gemma3_embed),
+    TargetFamily(("gemma4", "gemma4_text"), embed=gemma4_embed, run_layers=gemma4_layers,
                  finish_logits=softcap_gemma4),
 )

@@ -52,6 +52,8 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
     KnownPair("Qwen3.5-122B-A10B", "Qwen/Qwen3.5-122B-A10B", "z-lab/Qwen3.5-122B-A10B-DFlash"),
     KnownPair("Qwen3.6-27B", "Qwen/Qwen3.6-27B", "z-lab/Qwen3.6-27B-DFlash"),
     KnownPair("Qwen3.6-35B-A3B", "Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash"),
+    KnownPair("gemma-4-31B-it", "google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash"),
+    KnownPair("gemma-4-26B-A4B-it", "google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
 )
 
 

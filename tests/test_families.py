@@ -67,6 +67,11 @@ HYBRID_CONFIGS = {
         max_position_embeddings=4096, layer_types=["sliding_attention", "full_attention"] * 2,
         final_logit_softcapping=30.0, tie_word_embeddings=True),
 }
+# The multimodal checkpoints' text towers, nested under `language_model` as mlx-lm loads them.
+HYBRID_CONFIGS["gemma3"] = dict(model_type="gemma3", vocab_size=VOCAB, text_config={
+    k: v for k, v in HYBRID_CONFIGS["gemma3_text"].items() if k != "vocab_size"})
+HYBRID_CONFIGS["gemma4"] = dict(model_type="gemma4", vocab_size=VOCAB, text_config={
+    k: v for k, v in HYBRID_CONFIGS["gemma4_text"].items() if k != "vocab_size"})
 
 
 class NullTokenizer:
