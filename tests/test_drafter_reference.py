@@ -53,7 +53,7 @@ def softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def reference_draft(w, cfg, features, block_tokens, embedding, lm_head, context_window=None):
+def reference_draft(w, cfg, features, block_tokens, embedding, lm_head, context_window=None):  # noqa: C901
     """Hidden states (L, D) and logits (L, V) of the draft block after n context positions.
 
     w: drafter weights by checkpoint key (numpy float64); features: (n, k*D) target
@@ -66,9 +66,14 @@ def reference_draft(w, cfg, features, block_tokens, embedding, lm_head, context_
     ctx_pos, blk_pos = np.arange(n), np.arange(n, n + L)
     if context_window is not None:  # the drafter sees only the last `window` context positions
         ctx, ctx_pos = ctx[-context_window:], ctx_pos[-context_window:]
+    all_ctx, all_pos = ctx, ctx_pos
+    layer_types = cfg.get("layer_types") or ["full_attention"] * cfg["num_hidden_layers"]
     x = embedding[block_tokens]  # (L, D)
     for i in range(cfg["num_hidden_layers"]):
         p = f"layers.{i}."
+        ctx, ctx_pos = all_ctx, all_pos
+        if layer_types[i] == "sliding_attention":  # this layer sees the last `sliding_window` only
+            ctx, ctx_pos = all_ctx[-cfg["sliding_window"]:], all_pos[-cfg["sliding_window"]:]
         h = rms_norm(x, w[p + "input_layernorm.weight"], eps)
 
         def heads_of(t, proj, count, p=p):
@@ -108,10 +113,13 @@ def target_head(target_model):
     return embedding, t.get("lm_head.weight", embedding)
 
 
-def make_drafter(target_model, *, head_dim, num_layers, seed, mask_token_id=3, target_layer_ids=None):
+def make_drafter(target_model, *, head_dim, num_layers, seed, mask_token_id=3, target_layer_ids=None,
+                 sliding=None):
     cfg = drafter_config(target_model, num_layers=num_layers, block_size=8, mask_token_id=mask_token_id,
                          target_layer_ids=target_layer_ids)
     cfg.update(head_dim=head_dim, num_attention_heads=4, num_key_value_heads=2, rope_theta=5000.0)
+    if sliding is not None:  # (layer_types, sliding_window) as in sliding-window drafter configs
+        cfg.update(layer_types=sliding[0], sliding_window=sliding[1])
     drafter = DFlashDraftModel(ModelArgs.from_dict(cfg))
     rng = np.random.default_rng(seed)
     params = [
@@ -124,19 +132,24 @@ def make_drafter(target_model, *, head_dim, num_layers, seed, mask_token_id=3, t
     return drafter, cfg
 
 
+SLIDING = (["sliding_attention", "full_attention", "sliding_attention"], 9)
+
+
 @pytest.mark.parametrize(
-    "family, head_dim, chunks, window",
+    "family, head_dim, chunks, window, sliding",
     [
-        ("qwen3", 16, [37], None),  # tied embedding as lm_head, head_dim == hidden / heads
-        ("llama", 24, [5, 1, 30], None),  # separate lm_head, head_dim != hidden / heads; 3 commits
-        ("qwen2", 16, [20, 20], 12),  # a draft window: only the last 12 context positions
+        ("qwen3", 16, [37], None, None),  # tied embedding as lm_head, head_dim == hidden / heads
+        ("llama", 24, [5, 1, 30], None, None),  # separate lm_head, head_dim != hidden / heads; 3 commits
+        ("qwen2", 16, [20, 20], 12, None),  # a draft window: only the last 12 context positions
+        ("qwen3", 16, [30], None, SLIDING),  # sliding-attention draft layers see their last 9
+        ("llama", 16, [8, 25], 14, SLIDING),  # both: the tighter limit wins per layer
     ],
 )
-def test_drafter_matches_numpy_reference(family, head_dim, chunks, window):
+def test_drafter_matches_numpy_reference(family, head_dim, chunks, window, sliding):
     target_model = tiny_target(family, seed=5)
     target = TargetModel(target_model)
     drafter, cfg = make_drafter(target_model, head_dim=head_dim, num_layers=3, seed=11,
-                                target_layer_ids=[0, 2, 3])
+                                target_layer_ids=[0, 2, 3], sliding=sliding)
     block_size = cfg["block_size"]
     proposer = DFlashProposer(drafter, target, max_block_size=block_size, window=window)
     weights = numpy_weights(drafter)  # read before the proposer could have touched anything
