@@ -46,8 +46,8 @@ def prompt_ids(tokenizer, prompt: str | None, ids: str | None, chat: bool,
 
 @app.command()
 def generate(
-    model: Annotated[str, typer.Option("--model", "-m", help="Target: mlx-lm model directory or Hugging Face repo id.")],
-    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id.")] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help="Target: short name (Qwen3-8B), Hugging Face repo id, mlx-lm directory or .gguf file.")],
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory, repo id or short name.")] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text.")] = None,
     prompt_ids_: Annotated[str | None, typer.Option("--prompt-ids", help="Prompt as token ids, e.g. 1,2,3.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap --prompt in the model's chat template.")] = False,
