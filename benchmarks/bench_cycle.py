@@ -72,24 +72,10 @@ def random_drafter(target: TargetModel, num_layers: int = 5, block_size: int = 1
 
 def load_target(path: str | None) -> tuple[nn.Module, object, str]:
     if path is None:
-        from tiny import tiny_target
+        from tiny import FakeTokenizer, tiny_target
 
-        class Ids:  # a tokenizer stand-in: prompts are token ids
-            eos_token_ids: set[int] = set()
-
-            class detokenizer:  # noqa: N801
-                last_segment = ""
-
-                @staticmethod
-                def reset(): ...
-
-                @staticmethod
-                def add_token(t): ...
-
-                @staticmethod
-                def finalize(): ...
-
-        return tiny_target("qwen3", seed=0, num_layers=8), Ids(), "tiny random qwen3 (8 layers, hidden 64)"
+        name = "tiny random qwen3 (8 layers, hidden 64)"
+        return tiny_target("qwen3", seed=0, num_layers=8), FakeTokenizer(eos_token_ids=()), name
     model, tokenizer, _ = mlx_dflash.load(path)
     return model, tokenizer, path
 

@@ -1,14 +1,11 @@
-"""Building the MLX model for a checkpoint and loading its weights, every key and shape checked."""
+"""Building the mlx-lm model a target checkpoint's config describes (drafters: mlx_dflash.loading)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs
 from mlx_dflash.errors import DFlashError
 
 
@@ -26,36 +23,3 @@ def target_model(config: dict[str, Any], where: str) -> nn.Module:
         return model_cls(args_cls.from_dict(config))
     except (TypeError, KeyError, ValueError) as e:
         raise DFlashError(f"{where}: incomplete or invalid {model_type} config ({e})") from None
-
-
-def drafter_model(config: dict[str, Any], where: str, num_target_layers: int | None = None) -> DFlashDraftModel:
-    try:
-        args = ModelArgs.from_dict(config)
-    except TypeError as e:
-        raise DFlashError(f"{where}: incomplete drafter config ({e})") from None
-    if num_target_layers is not None:
-        args.resolve_target_layers(num_target_layers)
-    try:
-        return DFlashDraftModel(args)
-    except ValueError as e:
-        raise DFlashError(f"{where}: {e}") from None
-
-
-def load_checked(model: nn.Module, weights: dict[str, mx.array], where: str) -> None:
-    """Load `weights` into `model`, refusing missing, unexpected or misshapen tensors."""
-    expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise DFlashError(
-            f"{where}: weights do not match the config"
-            + (f"; missing {', '.join(missing[:4])}" if missing else "")
-            + (f"; unexpected {', '.join(unexpected[:4])}" if unexpected else "")
-        )
-    for key, value in expected.items():
-        if weights[key].shape != value.shape:
-            raise DFlashError(
-                f"{where}: weight {key} has shape {tuple(weights[key].shape)}, the config implies {tuple(value.shape)}"
-            )
-    model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())

@@ -15,7 +15,7 @@ from mlx.utils import tree_flatten
 
 from mlx_dflash.compat import TargetShape, check_compatible
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.loading import DTYPES, cast_floats
+from mlx_dflash.loading import DTYPES, build_drafter, cast_floats, load_checked
 
 from . import build, gguf
 from .config import is_drafter, normalise_config, read_config
@@ -162,7 +162,7 @@ def _convert_target(src: Path, dst: Path, config: dict[str, Any], options: Conve
     if hasattr(model, "sanitize"):
         weights = model.sanitize(weights)
     weights, packed = _prepare_weights(weights, model, options)
-    build.load_checked(model, weights, str(src))
+    load_checked(model, weights, str(src))
     del weights
     quant = _finish(model, options, False, packed, progress)
     if quant:
@@ -193,13 +193,13 @@ def _convert_drafter(src: Path, dst: Path, config: dict[str, Any], options: Conv
                      progress: ProgressFn) -> ConvertResult:
     config = normalise_config(config)
     shape = _target_shape(target) if target is not None else None
-    model = build.drafter_model(config, str(src), shape.num_layers if shape else None)
+    model = build_drafter(config, str(src), shape.num_layers if shape else None)
     if shape is not None:
         check_compatible(model, shape, f"drafter {src.name}")
         config.setdefault("dflash_config", {})["target_layer_ids"] = model.target_layer_ids
     weights = model.sanitize(read_weights(src, progress))
     weights, packed = _prepare_weights(weights, model, options)
-    build.load_checked(model, weights, str(src))
+    load_checked(model, weights, str(src))
     del weights
     quant = _finish(model, options, True, packed, progress)
     if quant:
@@ -221,7 +221,7 @@ def _convert_gguf(src: Path, dst: Path, options: ConvertOptions, force: bool, in
     model = build.target_model(config, str(src))
     weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
     weights, packed = _prepare_weights(weights, model, options)
-    build.load_checked(model, weights, str(src))
+    load_checked(model, weights, str(src))
     del weights
     quant = _finish(model, options, False, packed, progress)
     if quant:

@@ -19,7 +19,14 @@ from mlx_lm.sample_utils import make_sampler
 
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
-from .generate import GenerationEvent, GenerationStats, make_proposer, stream_session
+from .generate import (
+    GenerationEvent,
+    GenerationStats,
+    acceptance_histogram,
+    make_proposer,
+    mean_acceptance,
+    stream_session,
+)
 from .session import DecodingSession
 from .target import TargetModel
 
@@ -70,14 +77,11 @@ class SessionTotals:
 
     @property
     def tau(self) -> float:
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+        return mean_acceptance(self.acceptance_lengths)
 
     @property
     def histogram(self) -> list[int]:
-        counts = [0] * (max(self.acceptance_lengths, default=0) + 1)
-        for n in self.acceptance_lengths:
-            counts[n] += 1
-        return counts
+        return acceptance_histogram(self.acceptance_lengths)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

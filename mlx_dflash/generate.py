@@ -18,6 +18,19 @@ from .speculative import DFlashProposer, Proposer
 from .target import TargetModel
 
 
+def mean_acceptance(lengths: Sequence[int]) -> float:
+    """tau: mean tokens committed per verify cycle."""
+    return sum(lengths) / max(len(lengths), 1)
+
+
+def acceptance_histogram(lengths: Sequence[int]) -> list[int]:
+    """histogram[n] = cycles that committed n tokens."""
+    counts = [0] * (max(lengths, default=0) + 1)
+    for n in lengths:
+        counts[n] += 1
+    return counts
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -35,15 +48,11 @@ class GenerationStats:
     @property
     def tau(self) -> float:
         """Mean tokens per target forward pass in the decode phase."""
-        return sum(self.acceptance_lengths) / max(len(self.acceptance_lengths), 1)
+        return mean_acceptance(self.acceptance_lengths)
 
     @property
     def histogram(self) -> list[int]:
-        """histogram[n] = cycles that committed n tokens."""
-        counts = [0] * (max(self.acceptance_lengths, default=0) + 1)
-        for n in self.acceptance_lengths:
-            counts[n] += 1
-        return counts
+        return acceptance_histogram(self.acceptance_lengths)
 
     @property
     def prefill_tps(self) -> float:

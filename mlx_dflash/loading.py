@@ -86,6 +86,42 @@ def read_safetensors(directory: Path) -> dict[str, mx.array]:
     return weights
 
 
+def build_drafter(config: dict[str, Any], where: str, num_target_layers: int | None = None) -> DFlashDraftModel:
+    """The drafter a z-lab config describes (random weights), or one clear error."""
+    if "dflash_config" not in config:
+        raise DFlashError(f"{where}: config.json has no dflash_config; not a DFlash drafter")
+    try:
+        args = ModelArgs.from_dict(config)
+    except TypeError as e:
+        raise DFlashError(f"{where}: incomplete drafter config ({e})") from None
+    if num_target_layers is not None:
+        args.resolve_target_layers(num_target_layers)
+    try:
+        return DFlashDraftModel(args)
+    except ValueError as e:
+        raise DFlashError(f"{where}: {e}") from None
+
+
+def load_checked(model: nn.Module, weights: dict[str, mx.array], where: str) -> None:
+    """Load `weights` into `model`, refusing missing, unexpected or misshapen tensors."""
+    expected = dict(tree_flatten(model.parameters()))
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise DFlashError(
+            f"{where}: weights do not match the config"
+            + (f"; missing {', '.join(missing[:4])}" if missing else "")
+            + (f"; unexpected {', '.join(unexpected[:4])}" if unexpected else "")
+        )
+    for key, value in expected.items():
+        if weights[key].shape != value.shape:
+            raise DFlashError(
+                f"{where}: weight {key} has shape {tuple(weights[key].shape)}, the config implies {tuple(value.shape)}"
+            )
+    model.load_weights(list(weights.items()), strict=True)
+    mx.eval(model.parameters())
+
+
 def load_drafter(
     path_or_repo: str | Path,
     target: TargetModel | None = None,
@@ -96,41 +132,15 @@ def load_drafter(
     """Load a z-lab DFlash v1 drafter; every checkpoint key and shape is checked."""
     path = resolve_path(path_or_repo, DRAFTER_PATTERNS, revision)
     config = _read_json(path / "config.json")
-    if "dflash_config" not in config:
-        raise DFlashError(f"{path}: config.json has no dflash_config; not a DFlash drafter")
-    try:
-        args = ModelArgs.from_dict(config)
-    except TypeError as e:
-        raise DFlashError(f"{path}: incomplete drafter config ({e})") from e
-    if target is not None:
-        args.resolve_target_layers(target.num_layers)
-    try:
-        model = DFlashDraftModel(args)
-    except ValueError as e:
-        raise DFlashError(f"{path}: {e}") from e
+    model = build_drafter(config, str(path), target.num_layers if target is not None else None)
     weights = model.sanitize(read_safetensors(path))
-    if args.quantization:
-        q = args.quantization
+    if model.args.quantization:
+        q = model.args.quantization
         nn.quantize(
             model, group_size=q["group_size"], bits=q["bits"],
             class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
         )
-    expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise DFlashError(
-            f"{path}: drafter weights do not match its config"
-            + (f"; missing {', '.join(missing[:4])}" if missing else "")
-            + (f"; unexpected {', '.join(unexpected[:4])}" if unexpected else "")
-        )
-    for key, value in expected.items():
-        if weights[key].shape != value.shape:
-            raise DFlashError(
-                f"{path}: weight {key} has shape {tuple(weights[key].shape)}, "
-                f"config implies {tuple(value.shape)}"
-            )
-    model.load_weights(list(weights.items()), strict=True)
+    load_checked(model, weights, str(path))
     cast_floats(model, dtype)
     model.eval()
     mx.eval(model.parameters())

@@ -23,7 +23,7 @@ from mlx_dflash.bench import (
 )
 from mlx_dflash.bench.runner import first_mismatch
 
-DOCS = Path(__file__).resolve().parents[1] / "docs_bench.md"
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
 PROMPTS = [
     Prompt("toy", "a", ("Tell me about the sea.",)),
     Prompt("toy", "b", ("Count to five.", "Now backwards.")),

@@ -14,6 +14,7 @@ from mlx_lm.utils import _get_classes
 from tiny import (
     FAMILY_CONFIGS,
     VOCAB,
+    FakeTokenizer,
     ScriptedProposer,
     _randomize,
     greedy_reference,
@@ -74,24 +75,6 @@ HYBRID_CONFIGS["gemma4"] = dict(model_type="gemma4", vocab_size=VOCAB, text_conf
     k: v for k, v in HYBRID_CONFIGS["gemma4_text"].items() if k != "vocab_size"})
 
 
-class NullTokenizer:
-    """Prompts are token ids; no stop tokens; text is not under test here."""
-
-    eos_token_ids: set[int] = set()
-
-    class detokenizer:  # noqa: N801
-        last_segment = ""
-
-        @staticmethod
-        def reset(): ...
-
-        @staticmethod
-        def add_token(token): ...
-
-        @staticmethod
-        def finalize(): ...
-
-
 def build(model_type: str, seed: int = 0):
     if model_type in FAMILY_CONFIGS:
         return tiny_target(model_type, seed=seed)
@@ -140,7 +123,7 @@ def test_greedy_lossless(targets, model_type, case):
     ref = greedy_reference(model, prompt, max_tokens)
     proposer = ScriptedProposer(prompt + ref, VOCAB, error_rate, seed=seed, target_layer_ids=[1, 2])
     events = list(mlx_dflash.stream_generate(
-        model, NullTokenizer(), prompt, draft_model=proposer, max_tokens=max_tokens, block_size=block))
+        model, FakeTokenizer(eos_token_ids=()), prompt, draft_model=proposer, max_tokens=max_tokens, block_size=block))
     assert tokens_of(events) == ref
     lengths = events[-1].stats.acceptance_lengths
     if error_rate == 0.0:
@@ -155,7 +138,7 @@ def test_greedy_lossless_with_dflash_drafter(targets, model_type):
     drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
     prompt = list(range(20, 40))
     ref = greedy_reference(model, prompt, 30)
-    out = tokens_of(mlx_dflash.stream_generate(model, NullTokenizer(), prompt, draft_model=drafter,
+    out = tokens_of(mlx_dflash.stream_generate(model, FakeTokenizer(eos_token_ids=()), prompt, draft_model=drafter,
                                                max_tokens=30))
     assert out == ref
 
@@ -205,7 +188,7 @@ def test_broken_rollback_is_caught(targets, monkeypatch):
     prompt = list(range(30, 45))
     ref = greedy_reference(model, prompt, 40)
     proposer = ScriptedProposer(prompt + ref, VOCAB, 0.5, seed=3, target_layer_ids=[1])
-    out = tokens_of(mlx_dflash.stream_generate(model, NullTokenizer(), prompt, draft_model=proposer,
+    out = tokens_of(mlx_dflash.stream_generate(model, FakeTokenizer(eos_token_ids=()), prompt, draft_model=proposer,
                                                max_tokens=40, block_size=8))
     assert out != ref
 

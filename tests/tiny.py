@@ -216,3 +216,48 @@ class OracleProposer:
 
     def state_arrays(self) -> list:
         return []
+
+
+class FakeDetokenizer:
+    """mlx-lm's streaming detokenizer interface over a character-level vocabulary."""
+
+    def __init__(self, tokenizer: FakeTokenizer):
+        self.tokenizer = tokenizer
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens: list[int] = []
+        self.text = ""
+        self.offset = 0
+
+    def add_token(self, token: int) -> None:
+        self.tokens.append(token)
+        self.text = self.tokenizer.decode(self.tokens)
+
+    def finalize(self) -> None:
+        pass
+
+    @property
+    def last_segment(self) -> str:
+        segment = self.text[self.offset :]
+        self.offset = len(self.text)
+        return segment
+
+
+class FakeTokenizer:
+    """Just what `stream_generate` needs: encode, decode, eos ids and a detokenizer.
+
+    Ids 0..3 are specials (rendered as <i>); id i >= 4 is chr(28 + i), as in
+    `tiny.write_tokenizer`.
+    """
+
+    def __init__(self, eos_token_ids=(EOS_ID,), vocab: int = VOCAB):
+        self.eos_token_ids = set(eos_token_ids)
+        self.vocab = vocab
+        self.detokenizer = FakeDetokenizer(self)
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 28 for c in text]
+
+    def decode(self, ids) -> str:
+        return "".join(f"<{i}>" if i < 4 else chr(28 + i) for i in ids)

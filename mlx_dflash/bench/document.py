@@ -1,4 +1,4 @@
-"""The `--json` document (schema in docs_bench.md): configuration, machine, records, summary, failures."""
+"""The `--json` document (schema in docs/bench.md): configuration, machine, records, summary, failures."""
 
 from __future__ import annotations
 

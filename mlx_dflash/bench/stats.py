@@ -7,6 +7,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+from ..generate import acceptance_histogram
 from .runner import Record
 
 ALL = "all"
@@ -23,14 +24,6 @@ def decode_tps(records: Sequence[Record]) -> float:
     """Decoded tokens (after the prefill's) per decode second, pooled over the records."""
     seconds = sum(r.decode_s for r in records)
     return sum(max(r.generated_tokens - 1, 0) for r in records) / seconds if seconds > 0 else 0.0
-
-
-def histogram(lengths: Sequence[int]) -> list[int]:
-    """histogram[n] = cycles that committed n tokens."""
-    counts = [0] * (max(lengths, default=0) + 1)
-    for n in lengths:
-        counts[n] += 1
-    return counts
 
 
 def _by_repeat(records: Sequence[Record]) -> dict[int, list[Record]]:
@@ -83,7 +76,7 @@ def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str =
             "peak_memory_gb": max(r.peak_memory_gb for r in recs),
             "tau": sum(lengths) / cycles if cycles else None,
             "cycles": cycles,
-            "acceptance_histogram": histogram(lengths) if cycles else [],
+            "acceptance_histogram": acceptance_histogram(lengths) if cycles else [],
             # Per verify cycle: drafting, the target's verify pass, and everything else (sampling,
             # acceptance, cache bookkeeping, detokenizing).
             "cycle_ms": {
