@@ -84,6 +84,19 @@ class ContextInjector:
         self.k_norm_weight = mx.stack([a.k_norm.weight for a in attns])
         self.eps = attns[0].k_norm.eps
 
+    @classmethod
+    def for_drafter(cls, drafter: DFlashDraftModel) -> ContextInjector:
+        """The drafter's injector, built once and rebuilt only if its K/V weights were replaced
+        (e.g. by training): repeated generations then share one stacked weight."""
+        weights = [p.weight for layer in drafter.layers for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        cached = getattr(drafter, "_context_injector", None)
+        if cached is None or any(a is not b for a, b in zip(cached.source_weights, weights, strict=True)):
+            cached = cls(drafter)
+            cached.source_weights = [p.weight for layer in drafter.layers
+                                     for p in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+            drafter._context_injector = cached
+        return cached
+
     def project(self, context: mx.array) -> mx.array:
         """Fused context features (B, n, D) -> kv (B, n, layers, 2, kv_heads, head_dim)."""
         B, n, _ = context.shape

@@ -57,7 +57,7 @@ class DFlashProposer:
         self.drafter = drafter
         self.target = target
         self.target_layer_ids = list(drafter.target_layer_ids)
-        self.injector = injector or ContextInjector(drafter)
+        self.injector = injector or ContextInjector.for_drafter(drafter)
         self.cache = DraftContextCache(
             args.num_hidden_layers,
             args.num_key_value_heads,

@@ -281,3 +281,19 @@ def test_truncate_past_a_compacted_window_recomputes(targets, drafters):
     fresh = DecodingSession(target, DFlashProposer(drafter, target, max_block_size=8, window=4))
     fresh.extend(session.tokens[:-3] + [50, 51], greedy)
     assert fresh.tokens == session.tokens
+
+
+def test_injector_is_shared_until_the_drafter_weights_change(targets):
+    """Generations reuse one stacked K/V weight; a weight update (training) rebuilds it."""
+    from tiny import tiny_drafter
+
+    drafter = tiny_drafter(targets("qwen3"), seed=9)
+    first = ContextInjector.for_drafter(drafter)
+    assert ContextInjector.for_drafter(drafter) is first
+    layer = drafter.layers[1].self_attn
+    layer.v_proj.weight = layer.v_proj.weight * 2.0
+    rebuilt = ContextInjector.for_drafter(drafter)
+    assert rebuilt is not first
+    rows = layer.n_kv_heads * drafter.args.head_dim
+    stacked = rebuilt.projection.weight
+    assert mx.array_equal(stacked[3 * rows : 4 * rows], layer.v_proj.weight).item()
