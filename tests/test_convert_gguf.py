@@ -90,3 +90,14 @@ def test_gguf_requantized_to_8_bit_loads(tmp_path):
     ids = list(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
     # Re-quantizing Q4_1 at 8 bits loses almost nothing: the next token is unchanged.
     assert int(mx.argmax(model(mx.array([ids]))[0, -1]).item()) == EXPECTED[0]
+
+
+def test_gguf_dequantized_to_float32_gives_the_same_tokens(tmp_path):
+    """--dequantize (the CPU default for the embedded model): plain float32 weights, same greedy output."""
+    result = convert(GGUF, tmp_path / "f32", ConvertOptions(dtype="float32", dequantize=True))
+    config = json.loads((result.path / "config.json").read_text())
+    assert "quantization" not in config and "quantization_config" not in config
+    model, tokenizer = load_target(result.path)
+    assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
+    ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
+    assert mlx_greedy(model, ids, len(EXPECTED)) == EXPECTED
