@@ -115,6 +115,24 @@ def convert(
     return _convert_target(src, dst, config, options, force, info, progress)
 
 
+def _target_from(config: dict[str, Any], read: Any, options: ConvertOptions, info: dict[str, Any], where: str,
+                 progress: ProgressFn) -> nn.Module:
+    """Build the target `config` describes, load the weights `read()` returns (checked), cast or
+    quantize per `options`, and record the quantization and provenance blocks in `config`."""
+    model = build.target_model(config, where)
+    weights = read()
+    if hasattr(model, "sanitize"):
+        weights = model.sanitize(weights)
+    weights, packed = _prepare_weights(weights, model, options)
+    load_checked(model, weights, where)
+    del weights
+    quant = _finish(model, options, False, packed, progress)
+    if quant:
+        config["quantization"] = config["quantization_config"] = quant
+    config["mlx_dflash"] = info
+    return model
+
+
 def _finish(model: nn.Module, options: ConvertOptions, drafter: bool, packed: dict[str, Any],
             progress: ProgressFn) -> dict[str, Any] | None:
     """Cast and quantize per `options`; returns the config quantization block."""
@@ -164,17 +182,7 @@ def _write(dst: Path, force: bool, model: nn.Module, config: dict[str, Any], pro
 def _convert_target(src: Path, dst: Path, config: dict[str, Any], options: ConvertOptions, force: bool,
                     info: dict[str, Any], progress: ProgressFn) -> ConvertResult:
     config = normalise_config(config)
-    model = build.target_model(config, str(src))
-    weights = read_weights(src, progress)
-    if hasattr(model, "sanitize"):
-        weights = model.sanitize(weights)
-    weights, packed = _prepare_weights(weights, model, options)
-    load_checked(model, weights, str(src))
-    del weights
-    quant = _finish(model, options, False, packed, progress)
-    if quant:
-        config["quantization"] = config["quantization_config"] = quant
-    config["mlx_dflash"] = info
+    model = _target_from(config, lambda: read_weights(src, progress), options, info, str(src), progress)
 
     def copy_tokenizer(tmp: Path) -> None:
         for name in TOKENIZER_FILES:
@@ -222,17 +230,9 @@ def _convert_gguf(src: Path, dst: Path, options: ConvertOptions, force: bool, in
     progress("read", 0, 1)
     tensors, meta = gguf.read_tensors(src)
     config = gguf.config_from_metadata(meta, tensors, str(src))
-    weights = gguf.hf_weights(tensors, config)
+    pending = [gguf.hf_weights(tensors, config)]  # popped by the loader: no reference stays here
     del tensors
     progress("read", 1, 1)
-    model = build.target_model(config, str(src))
-    weights = model.sanitize(weights) if hasattr(model, "sanitize") else weights
-    weights, packed = _prepare_weights(weights, model, options)
-    load_checked(model, weights, str(src))
-    del weights
-    quant = _finish(model, options, False, packed, progress)
-    if quant:
-        config["quantization"] = config["quantization_config"] = quant
-    config["mlx_dflash"] = info
+    model = _target_from(config, pending.pop, options, info, str(src), progress)
     _write(dst, force, model, config, progress, lambda tmp: gguf.save_tokenizer(src, meta, tmp))
     return ConvertResult(dst, "target", config)
