@@ -297,3 +297,26 @@ def test_injector_is_shared_until_the_drafter_weights_change(targets):
     rows = layer.n_kv_heads * drafter.args.head_dim
     stacked = rebuilt.projection.weight
     assert mx.array_equal(stacked[3 * rows : 4 * rows], layer.v_proj.weight).item()
+
+
+def test_quantized_drafter_injects_like_its_own_layers_and_stays_lossless(targets):
+    """A quantized drafter: the stacked context projection equals each layer's own k/v_proj."""
+    import mlx.nn as nn
+    from tiny import FakeTokenizer, tiny_drafter
+
+    model = targets("qwen3")
+    drafter = tiny_drafter(model, seed=4)
+    nn.quantize(drafter, group_size=32, bits=8, class_predicate=lambda p, m: isinstance(m, nn.Linear) and p != "fc")
+    assert hasattr(drafter.layers[0].self_attn.k_proj, "scales")
+    injector = ContextInjector.for_drafter(drafter)
+    context = mx.random.normal((1, 5, drafter.args.hidden_size))
+    kv = injector.project(context)  # (1, 5, layers, 2, kv_heads, head_dim)
+    for i, layer in enumerate(drafter.layers):
+        for j, proj in enumerate((layer.self_attn.k_proj, layer.self_attn.v_proj)):
+            own = proj(context).reshape(1, 5, layer.self_attn.n_kv_heads, -1)
+            assert mx.allclose(kv[:, :, i, j], own, atol=1e-5).item()
+    prompt = list(range(10, 50))
+    ref = greedy_reference(model, prompt, 30)
+    out = [t for e in stream_generate(model, FakeTokenizer(eos_token_ids=()), prompt, draft_model=drafter,
+                                      max_tokens=30) for t in e.tokens]
+    assert out == ref
