@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten, tree_map
 from .compat import TargetShape, check_compatible  # noqa: F401  (re-exported)
 from .drafter import DFlashDraftModel, ModelArgs
 from .errors import DFlashError
+from .hub import is_repo_id, snapshot
 from .target import TargetModel
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
@@ -31,20 +32,9 @@ def resolve_path(path_or_repo: str | Path, allow_patterns: list[str] | None = No
             raise DFlashError(f"{path} is a file; expected a model directory")
         return path
     name = str(path_or_repo)
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+    if not is_repo_id(name):
         raise DFlashError(f"{name}: no such directory, and not a Hugging Face repo id (org/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        return Path(snapshot_download(name, revision=revision, allow_patterns=allow_patterns))
-    except LocalEntryNotFoundError as e:
-        raise DFlashError(
-            f"{name} is not in the local Hugging Face cache and the Hub cannot be reached "
-            "(offline or no network)"
-        ) from e
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise DFlashError(f"could not download {name}: {str(e).splitlines()[0]}") from e
+    return snapshot(name, allow_patterns=allow_patterns, revision=revision)
 
 
 def default_dtype() -> mx.Dtype | None:

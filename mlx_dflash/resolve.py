@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashError
+from .hub import hub_cache_dir, is_repo_id, offline, snapshot  # noqa: F401  (re-exported)
 
 CACHE_ENV = "MLX_DFLASH_CACHE"
 HUB_PATTERNS = [
@@ -73,18 +74,6 @@ def known_pair(name: str) -> KnownPair:
     raise DFlashError(f"unknown model short name '{name}'{hint} (or give a directory or an org/name repo id)")
 
 
-def offline(flag: bool = False) -> bool:
-    return flag or os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-
-
-def hub_cache_dir() -> Path:
-    """The Hugging Face hub cache, read from the environment at call time."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
-    return Path(home).expanduser() / "hub"
-
-
 def converted_cache_dir() -> Path:
     root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlx-dflash")
     return Path(root).expanduser() / "converted"
@@ -93,26 +82,14 @@ def converted_cache_dir() -> Path:
 def download(repo_id: str, *, revision: str | None = None, offline_only: bool = False,
              progress: Any = None) -> Path:
     """A Hub repo snapshot (weights, config and tokenizer files only) from the cache or the Hub."""
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+    if not is_repo_id(repo_id):
         raise DFlashError(f"{repo_id}: no such directory, and not a Hugging Face repo id (org/name)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    local_only = offline(offline_only)
     if progress is not None:
         progress("download", 0, 0)
-    try:
-        path = Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(),
-                                      allow_patterns=HUB_PATTERNS, local_files_only=local_only))
-        if not any(path.glob("*.safetensors")) and not local_only:
-            # Older repos ship only PyTorch weights.
-            path = Path(snapshot_download(repo_id, revision=revision, cache_dir=hub_cache_dir(),
-                                          allow_patterns=HUB_PATTERNS + TORCH_PATTERNS))
-    except LocalEntryNotFoundError:
-        how = "offline mode is on" if local_only else "the Hub cannot be reached"
-        raise DFlashError(f"{repo_id} is not in the local Hugging Face cache and {how}") from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise DFlashError(f"could not download {repo_id}: {str(e).splitlines()[0]}") from None
+    path = snapshot(repo_id, allow_patterns=HUB_PATTERNS, revision=revision, offline_only=offline_only)
+    if not any(path.glob("*.safetensors")) and not offline(offline_only):
+        # Older repos ship only PyTorch weights.
+        path = snapshot(repo_id, allow_patterns=HUB_PATTERNS + TORCH_PATTERNS, revision=revision)
     if progress is not None:
         progress("download", 1, 1)
     return path

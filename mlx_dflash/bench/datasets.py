@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError
+from ..hub import snapshot
 
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL = (
@@ -116,21 +117,8 @@ def _prompts(name: str, records: Iterable[dict], convert: Callable, where: Path)
 
 
 def _hub_files(source: Source, cache_dir: str | Path | None, local_files_only: bool) -> list[Path]:
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
-
-    try:
-        root = Path(snapshot_download(
-            source.repo_id, repo_type="dataset", allow_patterns=list(source.hub_patterns),
-            cache_dir=cache_dir, local_files_only=local_files_only,
-        ))
-    except LocalEntryNotFoundError:
-        raise DFlashError(
-            f"dataset {source.repo_id} is not in the local Hugging Face cache and the Hub cannot be reached; "
-            "pass --data-dir with local copies"
-        ) from None
-    except (HfHubHTTPError, OSError, ValueError) as e:
-        raise DFlashError(f"could not download dataset {source.repo_id}: {str(e).splitlines()[0]}") from None
+    root = snapshot(source.repo_id, repo_type="dataset", allow_patterns=list(source.hub_patterns),
+                    cache_dir=cache_dir, offline_only=local_files_only, hint="; pass --data-dir with local copies")
     files = sorted(f for pattern in source.hub_patterns for f in root.glob(pattern))
     if not files:
         raise DFlashError(f"dataset {source.repo_id}: no {', '.join(source.hub_patterns)} in {root}")
