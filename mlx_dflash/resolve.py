@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import DFlashError
-from .hub import hub_cache_dir, is_repo_id, offline, snapshot  # noqa: F401  (re-exported)
+from .hub import hub_cache_dir, is_repo_id, offline, snapshot
 
 CACHE_ENV = "MLX_DFLASH_CACHE"
 HUB_PATTERNS = [
