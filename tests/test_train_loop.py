@@ -20,6 +20,7 @@ from mlx_dflash.loading import load_drafter, load_target
 from mlx_dflash.target import TargetModel
 from mlx_dflash.train import TrainConfig, Trainer, export_drafter
 from mlx_dflash.train.data import load_conversations, render
+from mlx_dflash.train.evaluate import measure_tau
 
 _register()
 BLOCK = 8
@@ -171,6 +172,9 @@ def test_export_round_trip(setup, tmp_path):
     q_logits = np.array(_draft_logits(quant, target, tokens, 20))
     np.testing.assert_allclose(q_logits, np.array(reference), atol=0.25)
     assert (q_logits.argmax(-1) == np.array(reference).argmax(-1)).mean() > 0.8
+    # The engine-based tau measurement takes an exported (quantized) drafter too.
+    report = measure_tau(target, trainer.tokenizer, quant, trainer.eval_prompts[:1], max_tokens=8, block_size=BLOCK)
+    assert report.num_tokens == 8 and report.tau >= 1.0
 
 
 def test_cli_trains_and_reports_bad_input(setup):

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..drafter import DFlashDraftModel
@@ -23,8 +24,13 @@ class TauReport:
 
 def frozen_copy(drafter: DFlashDraftModel) -> DFlashDraftModel:
     """An inference copy: the engine re-points k/v projections, which must not touch training weights."""
+    weights = dict(tree_flatten(drafter.parameters()))
     copy = DFlashDraftModel(drafter.args)
-    copy.load_weights(list(tree_flatten(drafter.parameters())))
+    q = drafter.args.quantization
+    if q:  # an exported, quantized drafter: give the copy the same packed layers
+        nn.quantize(copy, group_size=q["group_size"], bits=q["bits"],
+                    class_predicate=lambda path, m: hasattr(m, "to_quantized") and f"{path}.scales" in weights)
+    copy.load_weights(list(weights.items()))
     copy.eval()
     return copy
 
