@@ -119,12 +119,13 @@ class TargetModel:
         """
         family = self.family
         h = family.embed(self.inner, tokens) if family.embed else self.embed(tokens)
-        slots = {layer: slot for slot, layer in enumerate(capture)}
         captured: list[mx.array | None] = [None] * len(capture)
 
         def keep(i: int, out: mx.array) -> None:
-            if i in slots:
-                captured[slots[i]] = out
+            # A layer may be listed twice (the default rule repeats layers on shallow targets).
+            for slot, layer in enumerate(capture):
+                if layer == i:
+                    captured[slot] = out
 
         if family.run_layers is not None:
             record = checkpoint.mixer_inputs if checkpoint is not None else None

@@ -208,3 +208,12 @@ def test_truncate_recomputes_recurrent_state(targets):
     fresh = DecodingSession(target)
     fresh.extend(session.tokens[:-1], greedy)
     assert fresh.tokens == session.tokens
+
+
+def test_a_layer_captured_twice_fills_both_slots():
+    """The reference layer rule gives [1, 1] for 4 target layers and 2 draft layers."""
+    target = TargetModel(build("qwen3"))
+    x = mx.array([[5, 9, 33]])
+    _, twice = target.forward(x, target.make_cache(), [1, 1])
+    _, once = target.forward(x, target.make_cache(), [1])
+    assert mx.array_equal(twice, mx.concatenate([once, once], axis=-1)).item()
