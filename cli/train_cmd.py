@@ -45,6 +45,10 @@ def train(
     eval_every: Annotated[int, typer.Option("--eval-every", min=0, help="Measure tau with the engine every N steps (0: at the end only).")] = 0,
     eval_prompts: Annotated[int, typer.Option("--eval-prompts", min=0, help="Held-out prompts per tau measurement.")] = 4,
     save_every: Annotated[int, typer.Option("--save-every", min=0, help="Checkpoint every N steps (0: at the end only).")] = 100,
+    regenerate: Annotated[int, typer.Option("--regenerate", min=0, help="Rewrite the replies of this many training conversations with the target's own greedy output first (0: train on the data's replies). Kept in OUT/regenerated.jsonl; an interrupted run continues it.")] = 0,
+    regenerate_max_tokens: Annotated[int, typer.Option("--regenerate-max-tokens", min=1, help="Longest regenerated reply, in tokens.")] = 384,
+    regenerate_batch: Annotated[int, typer.Option("--regenerate-batch", min=1, help="Prompts decoded together while regenerating.")] = 16,
+    init_from_target: Annotated[bool, typer.Option("--init-from-target/--random-init", help="Start draft layers from the target's top layers (and its final norm), or from random weights.")] = True,
     dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16 | float16 (float32 on the CPU).")] = "float32",
     seed: Annotated[int, typer.Option("--seed", help="Seed for weights, data order and anchors.")] = 0,
 ) -> None:
@@ -58,9 +62,21 @@ def train(
         target_layers=_parse_layers(target_layers), steps=steps, batch=batch, accum=accum, lr=lr, warmup=warmup,
         seq_len=seq_len, blocks_per_seq=blocks_per_seq, labels=labels, dtype=dtype, seed=seed,
         max_minutes=max_minutes, save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts,
+        regenerate=regenerate, regenerate_max_tokens=regenerate_max_tokens, regenerate_batch=regenerate_batch,
+        init_from_target=init_from_target,
     )
     err_console.print(f"loading {target} and the data ...", highlight=False)
-    trainer = Trainer(config, resume=resume)
+    with Progress(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=False) as regen_progress:
+        regen_task = None
+
+        def on_regenerate(done: int, total: int) -> None:
+            nonlocal regen_task
+            if regen_task is None:
+                regen_task = regen_progress.add_task("regenerate", total=total)
+            regen_progress.update(regen_task, completed=done)
+
+        trainer = Trainer(config, resume=resume, on_regenerate=on_regenerate)
     a = trainer.args
     err_console.print(
         f"drafter: {a.num_hidden_layers} layers, block {a.block_size}, target layers {a.target_layer_ids}, "

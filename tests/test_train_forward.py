@@ -54,6 +54,36 @@ def test_training_blocks_equal_inference_blocks(model_type):
         np.testing.assert_allclose(np.array(train_logits[0, j]), np.array(ref), atol=2e-4, rtol=2e-4)
 
 
+def test_folded_feature_scale_gives_the_trained_forward_on_raw_features():
+    """Training reads features / scale; the folded drafter must compute the same from raw features."""
+    from mlx_dflash.train.scaling import feature_scale, fold_feature_scale
+
+    model = tiny_target("qwen3", seed=6)
+    target = TargetModel(model)
+    drafter = tiny_drafter(model, seed=7, num_layers=2, block_size=BLOCK)
+    tokens = mx.array(np.random.default_rng(1).integers(4, 128, size=(1, 32)), dtype=mx.int32)
+    _, features = target.forward(tokens, target.make_cache(), drafter.target_layer_ids)
+    # Massive, uneven channels as in SmolLM2, and one dead channel (kept at scale 1).
+    gains = mx.array(np.random.default_rng(2).uniform(0.1, 3000.0, size=features.shape[-1]), dtype=mx.float32)
+    features = (features * gains).at[..., 0].multiply(0.0)
+    scale = feature_scale([features[:, :16], features[:, 16:]])
+    expected = np.sqrt((np.array(features) ** 2).mean(axis=(0, 1)))
+    np.testing.assert_allclose(np.array(scale)[1:], expected[1:], rtol=1e-4)
+    assert float(scale[0]) == 1.0
+    anchors = mx.array([[3, 11, 20]], dtype=mx.int32)
+    embeddings = target.embed(block_token_ids(tokens, anchors, BLOCK, drafter.mask_token_id))
+    trained = draft_blocks(drafter, embeddings, features / scale, anchors)
+    folded = fold_feature_scale(drafter, scale)
+    np.testing.assert_allclose(np.array(draft_blocks(folded, embeddings, features, anchors)), np.array(trained),
+                               atol=1e-4, rtol=1e-4)
+    # ... and the fold is not a no-op: the unfolded drafter on raw features differs.
+    assert not np.allclose(np.array(draft_blocks(drafter, embeddings, features, anchors)), np.array(trained),
+                           atol=1e-2)
+    for j, a in enumerate(anchors[0].tolist()):
+        ref = _inference_logits(folded, target, features, tokens, a)[0]
+        np.testing.assert_allclose(np.array(target.logits(trained)[0, j]), np.array(ref), atol=5e-4, rtol=5e-4)
+
+
 def test_training_forward_is_not_blind_to_context():
     """Changing a context position after an anchor must not move that block; before it must."""
     model = tiny_target("qwen3", seed=5)

@@ -131,6 +131,19 @@ def test_resume_equals_straight_run(setup):
         np.testing.assert_allclose(np.array(sa[key]), np.array(sb[key]), atol=1e-5, rtol=1e-4, err_msg=key)
 
 
+def test_regenerated_training_data_and_target_initialisation(setup):
+    trainer = Trainer(_config(setup, "regen", steps=2, regenerate=5, regenerate_max_tokens=12))
+    path = trainer.out / "regenerated.jsonl"
+    lines = [json.loads(line)["messages"] for line in path.read_text().splitlines()]
+    assert len(lines) == 5 and trainer.stream.conversations == lines
+    # The drafter starts from the target's final norm and top layer.
+    top = trainer.target.inner.layers[-1]
+    np.testing.assert_array_equal(np.array(trainer.drafter.norm.weight), np.array(trainer.target.inner.norm.weight))
+    np.testing.assert_array_equal(np.array(trainer.drafter.layers[-1].self_attn.v_proj.weight),
+                                  np.array(top.self_attn.v_proj.weight))
+    assert trainer.run().step == 2
+
+
 def test_resume_without_checkpoint_is_a_clear_error(setup):
     with pytest.raises(DFlashError, match="no checkpoint"):
         Trainer(_config(setup, "never-trained"), resume=True)
@@ -147,13 +160,18 @@ def _draft_logits(drafter, target: TargetModel, tokens: mx.array, anchor: int) -
 
 def test_export_round_trip(setup, tmp_path):
     trainer = Trainer(_config(setup, "export", steps=3))
-    trainer.run()
+    result = trainer.run()
     target = trainer.target
     tokens = mx.array(np.random.default_rng(2).integers(4, 128, size=30), dtype=mx.uint32)
     from mlx_dflash.train.evaluate import frozen_copy
 
-    reference = _draft_logits(frozen_copy(trainer.drafter), target, tokens, 20)
-    path = export_drafter(trainer.drafter, tmp_path / "fp32", dtype=mx.float32)
+    # The engine and the export take the drafter with the feature scale folded into fc.
+    drafter = trainer.inference_drafter()
+    reference = _draft_logits(frozen_copy(drafter), target, tokens, 20)
+    run_export = load_drafter(result.drafter_dir, target)
+    np.testing.assert_allclose(np.array(_draft_logits(run_export, target, tokens, 20)), np.array(reference),
+                               atol=1e-5)
+    path = export_drafter(drafter, tmp_path / "fp32", dtype=mx.float32)
     config = json.loads((path / "config.json").read_text())
     assert config["dflash_config"]["mask_token_id"] == trainer.args.mask_token_id
     assert config["dflash_config"]["target_layer_ids"] == trainer.args.target_layer_ids
@@ -163,10 +181,10 @@ def test_export_round_trip(setup, tmp_path):
     assert not any(k.startswith(("embed_tokens", "lm_head", "model.")) for k in keys)
     loaded = load_drafter(path, target)
     np.testing.assert_allclose(np.array(_draft_logits(loaded, target, tokens, 20)), np.array(reference), atol=1e-5)
-    half = load_drafter(export_drafter(trainer.drafter, tmp_path / "fp16"), target, dtype=mx.float32)
+    half = load_drafter(export_drafter(drafter, tmp_path / "fp16"), target, dtype=mx.float32)
     np.testing.assert_allclose(np.array(_draft_logits(half, target, tokens, 20)), np.array(reference),
                                atol=0.05, rtol=0.02)
-    quant = load_drafter(export_drafter(trainer.drafter, tmp_path / "q8", dtype=mx.float32, quantize_bits=8,
+    quant = load_drafter(export_drafter(drafter, tmp_path / "q8", dtype=mx.float32, quantize_bits=8,
                                         group_size=32), target)
     assert "quantization" in json.loads((tmp_path / "q8" / "config.json").read_text())
     q_logits = np.array(_draft_logits(quant, target, tokens, 20))

@@ -24,6 +24,7 @@ from ..errors import DFlashError
 
 CHECKPOINT_DIR = "checkpoint"
 FORMAT_VERSION = 1
+EXTRA_FILE = "extra.safetensors"
 
 
 @dataclass
@@ -36,7 +37,8 @@ class CheckpointState:
 
 
 def save_checkpoint(out_dir: Path, drafter: nn.Module, optimizer: optim.Optimizer, state: CheckpointState,
-                    drafter_config: dict[str, Any]) -> Path:
+                    drafter_config: dict[str, Any], extra: dict[str, mx.array] | None = None) -> Path:
+    """Write the checkpoint; `extra` holds arrays the run needs besides weights (e.g. the feature scale)."""
     final = out_dir / CHECKPOINT_DIR
     tmp = out_dir / f"{CHECKPOINT_DIR}.tmp"
     old = out_dir / f"{CHECKPOINT_DIR}.old"
@@ -45,6 +47,8 @@ def save_checkpoint(out_dir: Path, drafter: nn.Module, optimizer: optim.Optimize
         tmp.mkdir(parents=True)
         mx.save_safetensors(str(tmp / "drafter.safetensors"), dict(tree_flatten(drafter.parameters())))
         mx.save_safetensors(str(tmp / "optimizer.safetensors"), dict(tree_flatten(optimizer.state)))
+        if extra:
+            mx.save_safetensors(str(tmp / EXTRA_FILE), extra)
         (tmp / "config.json").write_text(json.dumps(drafter_config, indent=2) + "\n")
         (tmp / "state.json").write_text(json.dumps({
             "format_version": FORMAT_VERSION, "step": state.step, "config": state.config, "data": state.data,
@@ -82,3 +86,14 @@ def load_weights(out_dir: Path, drafter: nn.Module, optimizer: optim.Optimizer) 
     optimizer.init(drafter.trainable_parameters())
     optimizer.state = tree_unflatten(list(state.items()))
     mx.eval(drafter.parameters(), optimizer.state)
+
+
+def load_extra(out_dir: Path) -> dict[str, mx.array]:
+    """The checkpoint's extra arrays ({} for a checkpoint written without any)."""
+    path = out_dir / CHECKPOINT_DIR / EXTRA_FILE
+    if not path.exists():
+        return {}
+    try:
+        return mx.load(str(path))
+    except (ValueError, RuntimeError, OSError) as e:
+        raise DFlashError(f"{path}: cannot read the checkpoint ({str(e).splitlines()[0]})") from None

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..drafter import Attention, DecoderLayer, DFlashDraftModel
+from ..target import TargetModel
 
 
 def block_token_ids(tokens: mx.array, anchors: mx.array, block_size: int, mask_token_id: int) -> mx.array:
@@ -90,3 +92,24 @@ def draft_blocks(drafter: DFlashDraftModel, block_embeddings: mx.array, target_f
     for layer in drafter.layers:
         h = _layer(layer, drafter.rope, h, context, anchors, block_size, mask)
     return drafter.norm(h).reshape(B, N, block_size, D)
+
+
+def init_from_target(drafter: DFlashDraftModel, target: TargetModel) -> list[str]:
+    """Start the drafter from the target: its final norm, and its top layers' weights.
+
+    The drafter borrows the target's lm_head, whose inputs the target's final norm
+    calibrates; draft layer i starts as target layer n - L + i (the layers that turn
+    features into next-token predictions) wherever the shapes agree. The q/k norms,
+    which the target may not have, stay at one. Returns the names copied.
+    """
+    drafter_params = dict(tree_flatten(drafter.parameters()))
+    copied = {"norm.weight": target.inner.norm.weight}
+    top = target.inner.layers[len(target.inner.layers) - len(drafter.layers):]
+    for i, layer in enumerate(top):
+        for name, value in tree_flatten(layer.parameters()):
+            key = f"layers.{i}.{name}"
+            if key in drafter_params and drafter_params[key].shape == value.shape:
+                copied[key] = value
+    drafter.load_weights([(k, v.astype(drafter_params[k].dtype)) for k, v in copied.items()], strict=False)
+    mx.eval(drafter.parameters())
+    return sorted(copied)

@@ -39,9 +39,13 @@ from .data import ExampleStream, load_conversations, prompt_ids, split_heldout
 from .evaluate import TauReport, measure_tau
 from .export import drafter_config, export_drafter
 from .loss import block_labels, decayed_cross_entropy, position_weights
-from .model import block_token_ids, draft_blocks
+from .model import block_token_ids, draft_blocks, init_from_target
+from .regenerate import REGENERATED, regenerated_conversations
+from .scaling import feature_scale, fold_feature_scale
 
 LABEL_SOURCES = ("target", "data")
+# Training sequences whose target features set the per-channel feature scale.
+SCALE_EXAMPLES = 8
 # Fields a resumed run may change; everything else comes from the checkpoint.
 RESUMABLE = ("steps", "max_minutes", "save_every", "eval_every", "eval_prompts", "eval_max_tokens")
 
@@ -76,17 +80,24 @@ class TrainConfig:
     heldout: int = 32  # conversations kept out of training
     eval_prompts: int = 4
     eval_max_tokens: int = 64
+    regenerate: int = 0  # training conversations whose replies the target rewrites first (0: none)
+    regenerate_max_tokens: int = 384
+    regenerate_batch: int = 16
+    init_from_target: bool = True  # draft layers start as copies of the target's top layers
 
     def check(self) -> None:
         if self.labels not in LABEL_SOURCES:
             raise DFlashError(f"labels must be one of {', '.join(LABEL_SOURCES)}, got {self.labels}")
         if self.dtype not in DTYPES:
             raise DFlashError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype}")
-        for name in ("layers", "steps", "batch", "accum", "seq_len", "blocks_per_seq"):
+        for name in ("layers", "steps", "batch", "accum", "seq_len", "blocks_per_seq", "regenerate_max_tokens",
+                     "regenerate_batch"):
             if getattr(self, name) < 1:
                 raise DFlashError(f"{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size < 2:
             raise DFlashError(f"block size must be >= 2, got {self.block_size}")
+        if self.regenerate < 0:
+            raise DFlashError(f"regenerate must be >= 0, got {self.regenerate}")
         if not self.lr > 0:
             raise DFlashError(f"learning rate must be > 0, got {self.lr}")
 
@@ -171,7 +182,11 @@ def build_drafter_args(config: TrainConfig, target: TargetModel, tokenizer: Any)
 
 class Trainer:
     def __init__(self, config: TrainConfig, *, resume: bool = False, target_model: nn.Module | None = None,
-                 tokenizer: Any = None):
+                 tokenizer: Any = None, on_regenerate: Callable[[int, int], None] | None = None):
+        """Load the target and data (regenerating replies first when asked) and build the drafter.
+
+        on_regenerate(done, total) reports regeneration progress.
+        """
         out = Path(config.out)
         state = None
         if resume:
@@ -191,25 +206,53 @@ class Trainer:
         self.tokenizer = tokenizer
         conversations = load_conversations(config.data)
         train, heldout = split_heldout(conversations, config.heldout, config.seed)
+        if config.regenerate:
+            train = regenerated_conversations(self.target, tokenizer, train[: config.regenerate], out / REGENERATED,
+                                              max_tokens=config.regenerate_max_tokens,
+                                              max_prompt_tokens=config.seq_len - 32, batch_size=config.regenerate_batch,
+                                              progress=on_regenerate)
         self.stream = ExampleStream(tokenizer, train, max_tokens=config.seq_len, seed=config.seed)
         self.eval_prompts = self._eval_prompts(heldout)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         mx.random.seed(config.seed)  # the drafter's initial weights
         self.args = build_drafter_args(config, self.target, tokenizer)
         self.drafter = DFlashDraftModel(self.args)
+        if config.init_from_target and state is None:
+            init_from_target(self.drafter, self.target)
         cast_floats(self.drafter, self.dtype)
         self.weights = position_weights(config.block_size, config.gamma)
-        self.optimizer = optim.AdamW(learning_rate=self._schedule(), weight_decay=config.weight_decay)
+        # Bias correction matters here: early steps would otherwise move by a fraction of lr.
+        self.optimizer = optim.AdamW(learning_rate=self._schedule(), weight_decay=config.weight_decay,
+                                     bias_correction=True)
         self.rng = np.random.default_rng(config.seed)
         self.step, self.elapsed_before = 0, 0.0
         if state is not None:
             ckpt.load_weights(out, self.drafter, self.optimizer)
+            self.feature_scale = ckpt.load_extra(out).get("feature_scale")
+            if self.feature_scale is None:
+                raise DFlashError(f"{out}: the checkpoint has no feature scale (written by an older version)")
             self.step, self.elapsed_before = state.step, state.elapsed
             self.stream.restore(state.data)
             self.rng.bit_generator.state = state.rng
         else:
             self.optimizer.init(self.drafter.trainable_parameters())
+            self.feature_scale = self._measure_feature_scale(train)
         self.loss_and_grad = nn.value_and_grad(self.drafter, self._loss)
+
+    def _measure_feature_scale(self, train: list) -> mx.array:
+        """Per-channel RMS of the selected target layers over the first training sequences."""
+        stream = ExampleStream(self.tokenizer, train, max_tokens=self.config.seq_len, seed=self.config.seed)
+        features = []
+        for _ in range(SCALE_EXAMPLES):
+            tokens = mx.array([stream.next().ids])
+            _, f = self.target.forward(tokens, [None] * self.target.num_layers, self.args.target_layer_ids)
+            mx.eval(f)
+            features.append(f)
+        return feature_scale(features)
+
+    def inference_drafter(self) -> DFlashDraftModel:
+        """The trained drafter as the engine and the export take it: reading raw target features."""
+        return fold_feature_scale(self.drafter, self.feature_scale)
 
     def _eval_prompts(self, heldout: list) -> list[list[int]]:
         prompts = []
@@ -246,7 +289,7 @@ class Trainer:
         tokens = mx.array(batch.tokens)
         anchors = mx.array(batch.anchors)
         features, labels_seq = self._target_pass(tokens)
-        features = mx.stop_gradient(features)
+        features = mx.stop_gradient(features) / self.feature_scale.astype(features.dtype)
         labels, valid = block_labels(labels_seq, mx.array(batch.loss_mask), anchors,
                                      mx.array(batch.anchor_valid), self.config.block_size)
         ids = block_token_ids(tokens, anchors, self.config.block_size, self.args.mask_token_id)
@@ -278,13 +321,13 @@ class Trainer:
         return float(np.mean(losses)), accuracy, tokens
 
     def evaluate(self, block_size: int | None = None) -> TauReport:
-        return measure_tau(self.target, self.tokenizer, self.drafter, self.eval_prompts,
+        return measure_tau(self.target, self.tokenizer, self.inference_drafter(), self.eval_prompts,
                            max_tokens=self.config.eval_max_tokens, block_size=block_size or self.config.block_size)
 
     def save(self, data_state: dict[str, int], rng_state: dict[str, Any], elapsed: float) -> Path:
         state = ckpt.CheckpointState(self.step, dataclasses.asdict(self.config), data_state, rng_state, elapsed)
         return ckpt.save_checkpoint(self.out, self.drafter, self.optimizer, state,
-                                    drafter_config(self.args, self.dtype))
+                                    drafter_config(self.args, self.dtype), {"feature_scale": self.feature_scale})
 
     def _log(self, record: dict[str, Any]) -> None:
         with (self.out / "train_log.jsonl").open("a") as f:
@@ -307,7 +350,7 @@ class Trainer:
         callback(TrainEvent("checkpoint", self.step, c.steps, elapsed=elapsed, path=str(path)))
         drafter_dir, tau = None, None
         if status != "interrupted":
-            drafter_dir = export_drafter(self.drafter, self.out / "drafter", dtype=self.dtype)
+            drafter_dir = export_drafter(self.inference_drafter(), self.out / "drafter", dtype=self.dtype)
             tau = self._eval_event(callback, elapsed) if self.eval_prompts else None
         callback(TrainEvent("done", self.step, c.steps, elapsed=elapsed, tau=tau, message=status,
                             path=str(drafter_dir) if drafter_dir else None))
