@@ -33,6 +33,7 @@ HELP = """\
 /max-tokens N       most tokens per reply
 /block-size N       tokens per draft block (1: plain decoding)
 /think on|off       thinking switch of models that have one (e.g. Qwen3)
+/adaptive on|off    draft only while it is faster than plain steps (off: always draft)
 /color on|off       colour drafted vs target tokens
 /stats              acceptance histogram and totals of this session
 /save FILE          write the conversation as JSON
@@ -203,6 +204,9 @@ class ChatUI:
             elif name == "/think":
                 s.think = _switch(arg, "/think")
                 self.console.print(f"[dim]thinking {'on' if s.think else 'off'}[/]")
+            elif name == "/adaptive":
+                s.adaptive = _switch(arg, "/adaptive")
+                self.console.print(f"[dim]adaptive drafting {'on' if s.adaptive else 'off (draft every cycle)'}[/]")
             elif name == "/color":
                 self.color = _switch(arg, "/color")
                 self.console.print(f"[dim]colours {'on' if self.color else 'off'}[/]")
@@ -280,9 +284,10 @@ class ChatUI:
         self.console.print()
         st = result.stats
         tail = {"stop": "", "length": " · stopped at the token limit", "interrupted": " · interrupted"}
+        plain = f" ({st.plain_cycles} plain: drafting did not pay)" if st.plain_cycles else ""
         self.console.print(
             f"[dim]{st.num_tokens} tokens · {st.generation_tps:.1f} tok/s · tau {st.tau:.2f} · "
-            f"{st.cycles} cycles · prefill {result.new_tokens} new tokens ({result.reused_tokens} cached) "
+            f"{st.cycles} cycles{plain} · prefill {result.new_tokens} new tokens ({result.reused_tokens} cached) "
             f"in {st.prefill_time:.2f} s{tail[result.finish_reason]}[/]", highlight=False,
         )
 
@@ -366,6 +371,7 @@ def chat(
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,
+    adaptive: Annotated[bool, typer.Option("--adaptive/--always-draft", help="Draft only while drafting measures faster than plain target steps on this machine (the output is the same either way), or draft every cycle.")] = True,
 ) -> None:
     """Chat with a model in the terminal; each accepted draft block appears at once.
 
@@ -381,7 +387,7 @@ def chat(
     if block_size is not None and drafter is not None and block_size > max_block:
         raise DFlashError(f"--block-size {block_size} exceeds the drafter's block size {max_block}")
     settings = ChatSettings(temp=temp, top_p=top_p, max_tokens=max_tokens,
-                            block_size=block_size or max_block, system=system)
+                            block_size=block_size or max_block, system=system, adaptive=adaptive)
     engine = ChatEngine(target, tokenizer, drafter, settings)
     for line in lines:
         console.print(line, highlight=False)

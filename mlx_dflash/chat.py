@@ -17,6 +17,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
+from .adaptive import AdaptiveDrafting
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .generate import (
@@ -43,6 +44,7 @@ class ChatSettings:
     block_size: int = 16  # 1 or no drafter: plain decoding
     think: bool | None = None  # None: the template's default
     system: str | None = None
+    adaptive: bool = True  # draft only while drafting measures cheaper than plain steps
 
 
 @dataclass
@@ -119,6 +121,8 @@ class ChatEngine:
         self.messages: list[dict[str, str]] = []
         self.totals = SessionTotals()
         self._stop_requested = False
+        # One cost record for the conversation: what pays on this machine holds across turns.
+        self.adaptive = AdaptiveDrafting()
         self.session = self._new_session()
 
     # -- state ---------------------------------------------------------------------------
@@ -193,6 +197,7 @@ class ChatEngine:
         stream = stream_session(
             self.session, new, sampler, max_tokens=max_tokens, block_size=self.settings.block_size,
             stop=self.stop, detokenizer=self.tokenizer.detokenizer,
+            adaptive=self.adaptive if self.settings.adaptive else None,
         )
         generated: list[int] = []
         shown = ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +12,7 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .adaptive import AdaptiveDrafting
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .session import Clock, DecodingSession
@@ -40,6 +42,7 @@ class GenerationStats:
     decode_time: float = 0.0
     peak_memory_gb: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # draft/verify seconds (profile)
+    plain_cycles: int = 0  # cycles adaptive drafting ran as plain target steps
 
     @property
     def cycles(self) -> int:
@@ -114,12 +117,15 @@ def stream_generate(
     draft_window: int | None = None,
     stop_tokens: Sequence[int] = (),
     profile: bool = False,
+    adaptive: bool | AdaptiveDrafting = False,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash (or the target alone when `draft_model` is None).
 
     Greedy output is token-identical to the target decoding alone; with temp > 0
     every token is an exact sample of the target's (top-p/top-k/min-p filtered)
     distribution. `profile` syncs after drafting to split draft/verify time.
+    `adaptive` drafts only while drafting measures cheaper per token than plain
+    steps (see `AdaptiveDrafting`); the output is the same either way.
     """
     target = _as_target(model)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -142,6 +148,7 @@ def stream_generate(
     yield from stream_session(
         session, ids, sampler, max_tokens=max_tokens, block_size=block_size, stop=stop,
         detokenizer=tokenizer.detokenizer, profile=profile,
+        adaptive=(AdaptiveDrafting() if adaptive is True else adaptive or None),
     )
 
 
@@ -155,12 +162,14 @@ def stream_session(
     stop: set[int],
     detokenizer: Any,
     profile: bool = False,
+    adaptive: AdaptiveDrafting | None = None,
 ) -> Iterator[GenerationEvent]:
     """Feed `new_tokens` to an existing session, then decode one event per verify cycle.
 
     Between events (at every `yield`) the session is consistent: every emitted token
     is committed, so a caller may stop iterating there and keep using the session
     (a multi-turn chat does). A stop token ends generation and stays committed.
+    With `adaptive`, each cycle drafts or runs a plain step, whichever it measures cheaper.
     """
     stats = GenerationStats(prompt_tokens=len(new_tokens))
     detokenizer.reset()
@@ -191,9 +200,16 @@ def stream_session(
             return
         # Never verify more positions than the remaining budget can use.
         budget = max_tokens - stats.num_tokens
-        verified = session.step(sampler, min(block_size, budget), stats.timings if profile else None)
+        size = min(block_size, budget)
+        if adaptive is not None:
+            size = adaptive.block_size(size)
+            stats.plain_cycles += size == 1 and block_size > 1
+        started = time.perf_counter()
+        verified = session.step(sampler, size, stats.timings if profile else None)
         kept = _kept_count(verified.tokens, stop, budget)
         session.keep(verified, kept)
+        if adaptive is not None:
+            adaptive.record(size, len(verified.tokens), time.perf_counter() - started)
         produced, accepted = verified.tokens[:kept], verified.num_accepted
         stats.acceptance_lengths.append(len(verified.tokens))
 

@@ -26,7 +26,8 @@ _register()
 CLI = [sys.executable, "-c", "from mlx_dflash.cli.main import main; main()"]  # what the dflash-mlx script runs
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]|\x1b\][^\x07]*\x07|\r")
 SUMMARY = re.compile(
-    r"(\d+) tokens · [\d.]+ tok/s · tau [\d.]+ · \d+ cycles · prefill (\d+) new tokens \((\d+) cached\)"
+    r"(\d+) tokens · [\d.]+ tok/s · tau [\d.]+ · \d+ cycles(?: \(\d+ plain: drafting did not pay\))? · "
+    r"prefill (\d+) new tokens \((\d+) cached\)"
 )
 
 
@@ -81,7 +82,7 @@ def test_options_are_parsed_and_checked(pair, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(save.read_text())
     assert data["settings"] == {"temp": 0.7, "top_p": 0.9, "max_tokens": 3, "block_size": 4, "think": None,
-                                "system": "be kind"}
+                                "system": "be kind", "adaptive": True}
     assert data["messages"][0] == {"role": "system", "content": "be kind"}
     assert "\x1b[" not in result.output
     assert summaries(result.output)[0][0] == 3
@@ -93,11 +94,20 @@ def test_options_are_parsed_and_checked(pair, tmp_path):
     assert isinstance(too_big.exception, DFlashError) and "exceeds the drafter's block size 8" in str(too_big.exception)
 
 
+def test_always_draft_turns_adaptive_drafting_off(pair, tmp_path):
+    save = tmp_path / "a.json"
+    result = chat(pair, f"hi\nmore\n/save {save}\n", "--always-draft", "--max-tokens", "10")
+    assert result.exit_code == 0, result.output
+    assert json.loads(save.read_text())["settings"]["adaptive"] is False
+    assert "plain" not in result.output and len(summaries(result.output)) == 2
+
+
 def test_every_slash_command(pair, tmp_path):
     save = tmp_path / "s.json"
     script = "\n".join([
         "/help", "/temp 0.5", "/temp abc", "/top-p 2", "/top-p 0.8", "/max-tokens 0", "/max-tokens 5",
-        "/block-size 99", "/block-size 3", "/think maybe", "/think off", "/color off", "/system be brief",
+        "/block-size 99", "/block-size 3", "/think maybe", "/think off", "/adaptive off", "/color off",
+        "/system be brief",
         "/bogus", "/save", "first", "/stats", f"/save {save}", "/reset", "/stats", "/exit", "never sent",
     ]) + "\n"
     result = chat(pair, script)
@@ -105,7 +115,8 @@ def test_every_slash_command(pair, tmp_path):
     assert result.exit_code == 0, result.output
     for line in ["/think on|off", "temperature 0.5", "/temp needs a number, got 'abc'", "/top-p must be between",
                  "top-p 0.8", "/max-tokens must be >= 1", "max tokens 5", "block size must be between 1 and 8",
-                 "block size 3", "/think takes on or off", "thinking off", "colours off", "system message set",
+                 "block size 3", "/think takes on or off", "thinking off", "adaptive drafting off", "colours off",
+                 "system message set",
                  "unknown command /bogus", "/save needs a file name", "saved 3 messages", "conversation reset",
                  "0 turns, 0 prompt tokens computed"]:
         assert line in out, line
