@@ -5,7 +5,9 @@ tokens; a plain cycle costs one target step and yields one token. Which is
 cheaper per token depends on the drafter, the text and the machine (a 16-token
 verify costs ~1.1 single steps on a GPU, ~1.8 on a 2-core CPU), so both are
 measured as decoding runs and the cheaper one is used; the other is re-measured
-every `probe_every` cycles. Both kinds of cycle are exact target decoding steps,
+after `probe_every` cycles, an interval that doubles (up to `max_probe_every`)
+while probes keep confirming the choice, so a drafter that never pays costs
+little. Both kinds of cycle are exact target decoding steps,
 so the choice changes speed only, never the output.
 """
 
@@ -43,12 +45,14 @@ class AdaptiveDrafting:
     """
 
     probe_every: int = 16
+    max_probe_every: int = 128
     smoothing: float = 0.2
     warmup: int = 1
     draft: _Cost = field(default_factory=_Cost)
     plain: _Cost = field(default_factory=_Cost)
     _seen: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     _since_probe: int = 0
+    _interval: int = 0  # cycles between probes now (0: probe_every)
 
     @property
     def drafting_pays(self) -> bool:
@@ -66,21 +70,29 @@ class AdaptiveDrafting:
 
     def _choose(self) -> bool:
         # Measure drafting first, then the plain step; afterwards exploit the cheaper
-        # kind and re-measure the other one every probe_every cycles.
+        # kind and re-measure the other one when the probe interval has passed.
         if self.draft.cycles == 0:
             return True
         if self.plain.cycles == 0:
             return False
-        if self._since_probe >= self.probe_every:
+        if self._since_probe >= (self._interval or self.probe_every):
             return not self.drafting_pays
         return self.drafting_pays
 
     def record(self, block_size: int, num_tokens: int, seconds: float) -> None:
         """One finished cycle: its block size, tokens produced and wall time."""
         drafting = block_size > 1
+        measured = bool(self.draft.cycles and self.plain.cycles)
+        before = self.drafting_pays
         self._seen[drafting] += 1
-        preferred = self.drafting_pays
         if self._seen[drafting] > self.warmup:
             (self.draft if drafting else self.plain).add(seconds, num_tokens, self.smoothing)
-        # A cycle of the kind that is not preferred is a probe: count afresh after it.
-        self._since_probe = 0 if drafting != preferred else self._since_probe + 1
+        if not measured:
+            return
+        if self.drafting_pays != before:  # the choice flipped: watch the other kind closely again
+            self._interval, self._since_probe = self.probe_every, 0
+        elif drafting != before:  # a probe that confirmed the choice: back off
+            self._interval = min(2 * (self._interval or self.probe_every), self.max_probe_every)
+            self._since_probe = 0
+        else:
+            self._since_probe += 1
