@@ -164,7 +164,7 @@ def test_embedded_default_drafter_is_used_when_shipped(pair, monkeypatch):
     result = CliRunner().invoke(app, ["chat", "--max-tokens", "3"], input="hi\n")
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
-    assert f"drafter {drafter}" in out and "no trained DFlash drafter" not in out
+    assert f"drafter {drafter}" in out and "no trained DFlash drafter" not in out and "MODEL_CARD.md" in out
 
 
 def test_quantized_target_goes_through_the_converted_cache(pair, tmp_path, monkeypatch):

@@ -101,3 +101,23 @@ def test_gguf_dequantized_to_float32_gives_the_same_tokens(tmp_path):
     assert model.model.layers[0].self_attn.q_proj.weight.dtype == mx.float32
     ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)
     assert mlx_greedy(model, ids, len(EXPECTED)) == EXPECTED
+
+
+def test_shipped_default_drafter_fits_the_embedded_target_and_is_lossless(converted):
+    """The drafter packaged for the embedded default loads on SmolLM2 and decodes exactly like it."""
+    from mlx_dflash.generate import generate
+    from mlx_dflash.loading import load_drafter
+    from mlx_dflash.resolve import embedded_default_drafter
+    from mlx_dflash.target import TargetModel
+
+    path = embedded_default_drafter()
+    if path is None:
+        pytest.skip("this checkout ships no default drafter")
+    assert (path / "MODEL_CARD.md").is_file()
+    model, tokenizer = load_target(converted)
+    drafter = load_drafter(path, TargetModel(model))  # checks hidden size, vocabulary and target layers
+    assert drafter.args.num_target_layers == 30 and max(drafter.target_layer_ids) < 30
+    ids = list(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True))
+    expected = tokenizer.decode(EXPECTED[:-1])  # the reply, without its end-of-turn token
+    for block in (4, drafter.block_size):
+        assert generate(model, tokenizer, ids, draft_model=drafter, max_tokens=NEW_TOKENS, block_size=block) == expected
