@@ -123,6 +123,21 @@ def hf_weights(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str
     return out
 
 
+# llama.cpp pre-tokenizer types that split off every digit before the GPT-2 pattern
+# (llama-vocab.cpp); transformers' GGUF reader ignores `tokenizer.ggml.pre`.
+DIGIT_SPLITTING_PRE = {"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"}
+
+
+def _split_digits_first(tokenizer: Any) -> None:
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    steps = [pre_tokenizers.Digits(individual_digits=True)]
+    if backend.pre_tokenizer is not None:
+        steps.append(backend.pre_tokenizer)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
+
+
 def save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
     """Rebuild the fast tokenizer and chat template from GGUF metadata (transformers, no torch)."""
     from transformers import AutoTokenizer
@@ -133,6 +148,10 @@ def save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
         raise DFlashError(
             f"{path}: cannot rebuild the tokenizer from GGUF metadata ({str(e).splitlines()[0]})"
         ) from None
+    if str(meta.get("tokenizer.ggml.pre", "")) in DIGIT_SPLITTING_PRE:
+        # Without it "\n\n1" encodes as two newline tokens and "1" where the model was
+        # trained on one double-newline token (llama.cpp and the original tokenizer agree).
+        _split_digits_first(tokenizer)
     template = meta.get("tokenizer.chat_template")
     if template and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = str(template)

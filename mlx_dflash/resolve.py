@@ -108,8 +108,13 @@ def source_identity(path: Path, repo_id: str | None = None) -> dict[str, Any]:
             "files": [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
+# Bumped when conversion output changes, so entries written by an older converter are redone
+# (2: GGUF tokenizers of digit-splitting pre-tokenizer types).
+CONVERTER_VERSION = 2
+
+
 def cache_key(identity: dict[str, Any], options: dict[str, Any]) -> str:
-    blob = json.dumps({"source": identity, "options": options}, sort_keys=True)
+    blob = json.dumps({"source": identity, "options": options, "converter": CONVERTER_VERSION}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

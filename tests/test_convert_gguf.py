@@ -48,6 +48,21 @@ def test_gguf_config_tokenizer_and_quantization(converted):
     assert tokenizer.decode(ids).startswith("<|im_start|>")
 
 
+def test_gguf_tokenizer_splits_digits_as_llama_cpp_does(converted):
+    """SmolLM2's pre-tokenizer ("smollm") splits off every digit first, so "\n\n" before a digit stays one token."""
+    _, tokenizer = load_target(converted)
+    vocab = tokenizer.get_vocab()
+
+    def pieces(text: str) -> list[str]:
+        inverse = {i: t for t, i in vocab.items()}
+        return [inverse[i] for i in tokenizer.encode(text, add_special_tokens=False)]
+
+    assert pieces("Step:\n\n1") == ["Step", ":", "ĊĊ", "1"]
+    assert pieces("x\n\n1") == pieces("x\n\n") + pieces("1")
+    assert pieces("2024 items") == ["2", "0", "2", "4", "Ġitems"]
+    assert tokenizer.decode(tokenizer.encode("a\n\n12 b", add_special_tokens=False)) == "a\n\n12 b"
+
+
 # transformers' greedy output on MESSAGES (chat template, generation prompt), ending at <|im_end|>:
 # "The capital of France is Paris." Produced by test_expected_tokens_are_transformers_output, i.e.
 #   AutoModelForCausalLM.from_pretrained(dir, gguf_file=GGUF, dtype=float32).generate(ids, max_new_tokens=16,
