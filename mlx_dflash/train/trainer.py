@@ -209,7 +209,8 @@ class Trainer:
         if config.regenerate:
             train = regenerated_conversations(self.target, tokenizer, train[: config.regenerate], out / REGENERATED,
                                               max_tokens=config.regenerate_max_tokens,
-                                              max_prompt_tokens=config.seq_len - 32, batch_size=config.regenerate_batch,
+                                              max_prompt_tokens=max(config.seq_len - 32, config.seq_len // 2),
+                                              batch_size=config.regenerate_batch,
                                               progress=on_regenerate)
         self.stream = ExampleStream(tokenizer, train, max_tokens=config.seq_len, seed=config.seed)
         self.eval_prompts = self._eval_prompts(heldout)
