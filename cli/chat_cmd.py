@@ -64,7 +64,7 @@ def _load(console: Console, model: str | None, draft: str | None, no_draft: bool
             if default_drafter is not None:
                 draft = str(default_drafter)
                 notes.append("drafter: the project's own for SmolLM2 (how it was trained and what it reaches: "
-                             "MODEL_CARD.md beside it); adaptive drafting keeps plain speed where it does not pay")
+                             "MODEL_CARD.md beside it); adaptive drafting falls back to plain steps while drafting does not pay")
             else:
                 notes.append("[yellow]no trained DFlash drafter exists yet for the embedded default: "
                              "plain decoding (no speedup)[/]")
