@@ -78,12 +78,14 @@ def _one_greedy(target: TargetModel, tokenizer: Any, prompt: Sequence[int], max_
 
 def regenerate(target: TargetModel, tokenizer: Any, conversations: Sequence[Conversation], *,
                max_tokens: int = 256, max_prompt_tokens: int | None = None, batch_size: int = 16,
-               skip: int = 0, on_batch: Callable[[int], None] | None = None) -> Iterator[Conversation]:
+               skip: int = 0, on_batch: Callable[[int], None] | None = None,
+               on_start: Callable[[int], None] | None = None) -> Iterator[Conversation]:
     """Each conversation's prompt with the target's greedy reply.
 
     Replies come out in order of prompt length (ties in input order), which keeps
     the padding of a batch small and the order deterministic: `skip` resumes after
-    that many replies. Prompts over `max_prompt_tokens` are left out.
+    that many replies. Prompts over `max_prompt_tokens` are left out; `on_start`
+    receives how many replies there will be in all.
     """
     stop = set(tokenizer.eos_token_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -91,6 +93,8 @@ def regenerate(target: TargetModel, tokenizer: Any, conversations: Sequence[Conv
     if max_prompt_tokens is not None:
         items = [(c, p) for c, p in items if len(p) <= max_prompt_tokens]
     items.sort(key=lambda item: len(item[1]))
+    if on_start is not None:
+        on_start(len(items))
     step = batch_size if can_batch(target) else 1
     for start in range(skip, len(items), step):
         chunk = items[start:start + step]
@@ -126,19 +130,22 @@ def regenerated_conversations(target: TargetModel, tokenizer: Any, conversations
     partial = path.with_name(path.name + ".partial")
     path.parent.mkdir(parents=True, exist_ok=True)
     done = _read_jsonl(partial) if partial.exists() else []
-    total = len([c for c in conversations
-                 if max_prompt_tokens is None or len(prompt_ids(tokenizer, c)) <= max_prompt_tokens])
-    count = len(done)
-    if progress is not None:
-        progress(count, total)
+    total = 0
+
+    def started(n: int) -> None:
+        nonlocal total
+        total = n
+        if progress is not None:
+            progress(len(done), total)
+
     with partial.open("a") as f:
         for conversation in regenerate(target, tokenizer, conversations, max_tokens=max_tokens,
-                                       max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, skip=len(done)):
+                                       max_prompt_tokens=max_prompt_tokens, batch_size=batch_size, skip=len(done),
+                                       on_start=started):
             f.write(json.dumps({"messages": conversation}) + "\n")
             done.append(conversation)
-            count += 1
-            if progress is not None and (count % batch_size == 0 or count == total):
+            if progress is not None and (len(done) % batch_size == 0 or len(done) == total):
                 f.flush()
-                progress(count, total)
+                progress(len(done), total)
     partial.rename(path)
     return done
