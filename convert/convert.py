@@ -17,7 +17,7 @@ from mlx_dflash.compat import TargetShape, check_compatible
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.loading import DTYPES, build_drafter, cast_floats, load_checked
 
-from . import build, gguf
+from . import build, gguf, gguf_tokenizer
 from .config import is_drafter, normalise_config, read_config
 from .progress import ProgressFn, no_progress
 from .quantize import check_quant_options, match_packed, packed_layers, quantize, unpack
@@ -230,9 +230,12 @@ def _convert_gguf(src: Path, dst: Path, options: ConvertOptions, force: bool, in
     progress("read", 0, 1)
     tensors, meta = gguf.read_tensors(src)
     config = gguf.config_from_metadata(meta, tensors, str(src))
+    # Built before the weights are converted, so an unusable tokenizer fails in seconds.
+    tokenizer, tokenizer_config = gguf_tokenizer.build_tokenizer(meta, str(src))
     pending = [gguf.hf_weights(tensors, config)]  # popped by the loader: no reference stays here
     del tensors
     progress("read", 1, 1)
     model = _target_from(config, pending.pop, options, info, str(src), progress)
-    _write(dst, force, model, config, progress, lambda tmp: gguf.save_tokenizer(src, meta, tmp))
+    _write(dst, force, model, config, progress,
+           lambda tmp: gguf_tokenizer.write_tokenizer(tokenizer, tokenizer_config, tmp))
     return ConvertResult(dst, "target", config)

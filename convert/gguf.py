@@ -1,7 +1,8 @@
 """GGUF targets: weights renamed to Hugging Face names, config and tokenizer rebuilt from metadata.
 
 `mx.load` reads Q4_0/Q4_1/Q8_0 tensors as group-32 packed weights; files it
-cannot read (K-quants) are dequantized with the `gguf` package instead.
+cannot read (K-quants) are dequantized with the `gguf` package instead. The
+tokenizer is rebuilt by `gguf_tokenizer`.
 llama.cpp stores llama q/k rows permuted for its rotary layout; that is undone.
 """
 
@@ -38,14 +39,8 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 def read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
     try:
         return mx.load(str(path), return_metadata=True)
-    except Exception as mlx_error:  # K-quants and other types MLX cannot read
-        try:
-            return _read_with_gguf_package(path)
-        except ImportError:
-            raise DFlashError(
-                f"{path}: MLX cannot read this GGUF ({str(mlx_error).splitlines()[0]}); "
-                "install the gguf package to dequantize it: pip install 'mlx-dflash[gguf]'"
-            ) from None
+    except Exception:  # K-quants and other types MLX cannot read: the gguf package dequantizes them
+        return _read_with_gguf_package(path)
 
 
 def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
@@ -59,7 +54,10 @@ def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, 
     meta = {name: field.contents() for name, field in reader.fields.items() if not name.startswith("GGUF.")}
     tensors = {}
     for t in reader.tensors:
-        values = dequantize(t.data, t.tensor_type)
+        try:
+            values = dequantize(t.data, t.tensor_type)
+        except Exception as e:
+            raise DFlashError(f"{path}: cannot read tensor {t.name} ({str(e).splitlines()[0]})") from None
         # GGUF lists dimensions innermost first.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
         tensors[t.name] = mx.array(np.asarray(values, dtype=np.float32).reshape(shape))
@@ -121,38 +119,3 @@ def hf_weights(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str
         elif base != "rope_freqs":  # llama.cpp's rope table is recomputed by the model
             raise DFlashError(f"GGUF tensor {name} has no Hugging Face counterpart")
     return out
-
-
-# llama.cpp pre-tokenizer types that split off every digit before the GPT-2 pattern
-# (llama-vocab.cpp); transformers' GGUF reader ignores `tokenizer.ggml.pre`.
-DIGIT_SPLITTING_PRE = {"starcoder", "refact", "command-r", "smollm", "codeshell", "exaone", "minerva"}
-
-
-def _split_digits_first(tokenizer: Any) -> None:
-    from tokenizers import pre_tokenizers
-
-    backend = tokenizer.backend_tokenizer
-    steps = [pre_tokenizers.Digits(individual_digits=True)]
-    if backend.pre_tokenizer is not None:
-        steps.append(backend.pre_tokenizer)
-    backend.pre_tokenizer = pre_tokenizers.Sequence(steps)
-
-
-def save_tokenizer(path: Path, meta: dict[str, Any], out_dir: Path) -> None:
-    """Rebuild the fast tokenizer and chat template from GGUF metadata (transformers, no torch)."""
-    from transformers import AutoTokenizer
-
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    except Exception as e:
-        raise DFlashError(
-            f"{path}: cannot rebuild the tokenizer from GGUF metadata ({str(e).splitlines()[0]})"
-        ) from None
-    if str(meta.get("tokenizer.ggml.pre", "")) in DIGIT_SPLITTING_PRE:
-        # Without it "\n\n1" encodes as two newline tokens and "1" where the model was
-        # trained on one double-newline token (llama.cpp and the original tokenizer agree).
-        _split_digits_first(tokenizer)
-    template = meta.get("tokenizer.chat_template")
-    if template and not getattr(tokenizer, "chat_template", None):
-        tokenizer.chat_template = str(template)
-    tokenizer.save_pretrained(str(out_dir))

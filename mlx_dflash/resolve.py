@@ -109,8 +109,8 @@ def source_identity(path: Path, repo_id: str | None = None) -> dict[str, Any]:
 
 
 # Bumped when conversion output changes, so entries written by an older converter are redone
-# (2: GGUF tokenizers of digit-splitting pre-tokenizer types).
-CONVERTER_VERSION = 2
+# (2: GGUF tokenizers of digit-splitting pre-tokenizer types; 3: GGUF tokenizers built without transformers).
+CONVERTER_VERSION = 3
 
 
 def cache_key(identity: dict[str, Any], options: dict[str, Any]) -> str:
