@@ -1,10 +1,16 @@
 """Decoding state shared by every mode: target cache, draft context, committed tokens.
 
 Invariant between calls: `tokens` holds every committed token; the target cache
-and the draft context hold all of them but the last (the pending token, which
-starts the next block). `extend` appends new input (a prompt, a chat turn) and
+holds all of them but the last (the pending token, which starts the next block),
+and so do the draft context and the queued features together. `extend` appends new input (a prompt, a chat turn) and
 samples one token; `step` runs one verify cycle; `keep` commits a prefix of
 what a cycle produced and rolls everything else back.
+
+Committed target features reach the drafter lazily: `keep` only queues them, and
+they are injected in one batch by the next drafting cycle. So plain steps (block 1)
+never pay for the drafter, and no unevaluated draft-cache writes pile up between
+drafting cycles; `prepare` injects a longer backlog (and evaluates it) before the
+cycle starts, so that a timed cycle costs what that cycle does.
 """
 
 from __future__ import annotations
@@ -18,15 +24,18 @@ from .speculative import Proposer, Verified, speculative_step
 from .target import TargetModel
 
 PREFILL_CHUNK = 2048
+MAX_PENDING = 512  # queued feature positions past which plain steps inject them anyway (memory)
 
 
 class DecodingSession:
-    def __init__(self, target: TargetModel, proposer: Proposer | None = None):
+    def __init__(self, target: TargetModel, proposer: Proposer | None = None, *, defer_injection: bool = True):
         self.target = target
         self.proposer = proposer
         self.cache = target.make_cache()
         self.tokens: list[int] = []
         self._inputs = 0  # positions of the last step's verify inputs in the target cache
+        self.defer_injection = defer_injection  # False: inject at every `keep` (the reference)
+        self._pending: list[tuple[mx.array, int]] = []  # (features, position) not yet injected
 
     @property
     def position(self) -> int:
@@ -37,10 +46,35 @@ class DecodingSession:
     def capture(self) -> list[int]:
         return self.proposer.target_layer_ids if self.proposer is not None else []
 
+    @property
+    def pending_positions(self) -> int:
+        """Committed positions whose features the drafter has not received yet."""
+        return sum(features.shape[1] for features, _ in self._pending)
+
+    def inject_pending(self) -> None:
+        """Hand every queued feature chunk to the drafter in one batch (lazily)."""
+        if not self._pending:
+            return
+        features = mx.concatenate([f for f, _ in self._pending], axis=1) if len(self._pending) > 1 \
+            else self._pending[0][0]
+        start = self._pending[0][1]
+        self._pending = []
+        for lo in range(0, features.shape[1], PREFILL_CHUNK):
+            self.proposer.commit(features[:, lo : lo + PREFILL_CHUNK], start + lo)
+
+    def prepare(self, block_size: int) -> None:
+        """Before a cycle: inject a backlog of queued features when this cycle drafts (or when
+        it grew long) and evaluate it, so that its cost is not counted as this cycle's."""
+        if len(self._pending) > 1 and (block_size > 1 or self.pending_positions >= MAX_PENDING):
+            self.inject_pending()
+            mx.eval(self.proposer.state_arrays())
+
     def _feed(self, inputs: list[int], start: int) -> mx.array:
         """Run `inputs` (absolute positions from `start`) through the target in chunks,
         committing their features to the drafter; returns the last position's logits."""
         logits = None
+        if self._pending:
+            self.inject_pending()  # in order: queued positions come before these
         for lo in range(0, len(inputs), PREFILL_CHUNK):
             chunk = mx.array(inputs[lo : lo + PREFILL_CHUNK], dtype=mx.uint32)[None]
             hidden, features = self.target.forward(chunk, self.cache, self.capture)
@@ -66,6 +100,8 @@ class DecodingSession:
     def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None) -> Verified:
         """One verify cycle from the pending token; follow it with `keep`."""
         last = mx.array(self.tokens[-1:], dtype=mx.uint32)
+        if block_size > 1 and self.proposer is not None:
+            self.inject_pending()  # the drafter reads every committed position
         verified = speculative_step(
             self.target, self.cache, self.proposer, sampler, last, self.position, block_size,
             timings=timings,
@@ -82,7 +118,9 @@ class DecodingSession:
         self.target.rollback(self.cache, self._inputs - count, verified.checkpoint,
                              verified.inputs[:count])
         if self.proposer is not None and verified.features is not None:
-            self.proposer.commit(verified.features[:, :count], self.position)
+            self._pending.append((verified.features[:, :count], self.position))
+            if not self.defer_injection:
+                self.inject_pending()
         self.tokens.extend(verified.tokens[:count])
         self._inputs = 0
 
@@ -91,6 +129,7 @@ class DecodingSession:
         drop = len(self.tokens) - length
         if drop <= 0:
             return
+        self.inject_pending()  # then the drafter holds every committed position and can trim
         try:
             if self.target.checkpoint(self.cache) is not None:
                 raise ValueError("recurrent target state cannot be rewound")

@@ -62,8 +62,8 @@ def assert_consistent(engine: ChatEngine) -> None:
     """The caches hold every committed token but the pending one, as the session invariant says."""
     session = engine.session
     assert session.cache[0].offset == len(session.tokens) - 1
-    if hasattr(session.proposer, "cache"):  # a DFlash proposer's draft context
-        assert session.proposer.cache.offset == len(session.tokens) - 1
+    if hasattr(session.proposer, "cache"):  # a DFlash proposer's draft context (plus queued features)
+        assert session.proposer.cache.offset + session.pending_positions == len(session.tokens) - 1
 
 
 def expected_reply(engine: ChatEngine, model, n: int) -> list[int]:
@@ -131,7 +131,7 @@ def test_accepted_drafts_across_turns_match_plain_decoding(pair):
     for (text, limit), want in zip(turns, expected, strict=True):
         engine.settings.max_tokens = limit
         assert run_turn(engine, text).tokens == want
-        assert oracle.committed == len(engine.session.tokens) - 1
+        assert oracle.committed + engine.session.pending_positions == len(engine.session.tokens) - 1
         assert_consistent(engine)
     assert engine.totals.tau > 1.5 and max(engine.totals.acceptance_lengths) == 6
 

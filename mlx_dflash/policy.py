@@ -1,0 +1,274 @@
+"""`--block-size auto`: each cycle's block size, chosen to commit the most tokens per second.
+
+A cycle with block L (L = 1: a plain target step) commits E[L] tokens on average
+and costs t(L) seconds, plus a per-cycle overhead outside the cycle (streaming,
+detokenizing) that every L pays alike. The policy picks the L maximising
+E[L] / (t(L) + overhead) among a few candidate sizes:
+
+- E[L] = 1 + sum_{j<L} prod_{k<=j} p_k, from online estimates of p_k, the chance
+  that draft position k is accepted given that the draft reached it. Counts decay
+  (recent text weighs most); each position's prior is the estimate of the one
+  before it, so an unseen deep position is expected to do as well as the last seen.
+- t(L) starts from a calibration (seconds per L, linear in the context length,
+  measured on this machine: `calibration.py`) or, without one, from a generic
+  shape; measured cycles correct it per L by a smoothed ratio, so t(L) follows the
+  machine's load and the growing context.
+
+Greedily exploiting estimates would never learn that an unused size became better,
+so every `interval` cycles the runner-up is tried; the interval doubles while such
+probes confirm the choice, and is reset when a probe drafted better than expected.
+Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
+speed only, never the output. Its per-cycle work is a few dozen float operations on
+Python numbers (no array work, no host sync).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .errors import DFlashError
+
+AUTO = "auto"
+DEFAULT_BLOCK_SIZE = AUTO  # the one default of chat, generate, bench, the API and the server
+BASE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def candidate_sizes(max_block: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 12, 16, then x1.5 steps, up to and including `max_block`."""
+    sizes = [s for s in BASE_SIZES if s <= max_block]
+    while sizes[-1] * 3 // 2 <= max_block and sizes[-1] >= 16:
+        sizes.append(sizes[-1] * 3 // 2)
+    if sizes[-1] != max_block:
+        sizes.append(max_block)
+    return sizes
+
+
+def parse_block_size(text: str | int | None) -> int | str:
+    """A `--block-size` value: "auto" (also for None) or a positive integer."""
+    if text is None or str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        size = int(text)
+    except ValueError:
+        raise DFlashError(f"block size must be 'auto' or a positive integer, got {text!r}") from None
+    if size < 1:
+        raise DFlashError(f"block size must be 'auto' or a positive integer, got {text!r}")
+    return size
+
+
+class BlockSizePolicy(Protocol):
+    """What the decode loop asks before each cycle and tells after it."""
+
+    prediction: tuple[float, float] | None  # the last choice's expected (tokens, seconds)
+
+    def begin(self) -> None:
+        """A generation starts (after its prefill)."""
+        ...
+
+    def choose(self, limit: int, position: int) -> int:
+        """Block size of the next cycle (at most `limit`), the pending token at `position`."""
+        ...
+
+    def record(self, size: int, accepted: int, seconds: float) -> None:
+        """The cycle just chosen finished: its block size, accepted draft tokens, wall time."""
+        ...
+
+
+@dataclass
+class FixedBlockSize:
+    """Always the same block size (`--block-size N`)."""
+
+    size: int
+    prediction: tuple[float, float] | None = None
+
+    def begin(self) -> None:
+        pass
+
+    def choose(self, limit: int, position: int) -> int:
+        return min(self.size, limit)
+
+    def record(self, size: int, accepted: int, seconds: float) -> None:
+        pass
+
+
+def make_policy(block_size: int | str, max_block: int, calibration: Any = None) -> BlockSizePolicy:
+    """The policy for a `block_size` setting ("auto" or an int) with a drafter of `max_block`."""
+    if block_size == AUTO:
+        if max_block <= 1:
+            return FixedBlockSize(1)
+        return AutoBlockSize(max_block, base_costs=calibration.costs if calibration is not None else None)
+    return FixedBlockSize(min(int(block_size), max_block))
+
+
+@dataclass
+class AcceptanceModel:
+    """Per draft position k: decayed counts of 'reached' and 'accepted', with a chained prior."""
+
+    depth: int  # draft positions (max block - 1)
+    prior_mean: float = 0.5  # first position's prior: optimistic enough to try drafting
+    prior_strength: float = 1.0
+    memory: float = 16.0  # observations of a position after which old ones weigh 1/e
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.reached = self.reached or [0.0] * self.depth
+        self.accepted = self.accepted or [0.0] * self.depth
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A verify of `drafted` draft tokens accepted the first `accepted` of them."""
+        keep = 1.0 - 1.0 / self.memory
+        for k in range(min(accepted + 1, drafted, self.depth)):
+            self.reached[k] = keep * self.reached[k] + 1.0
+            self.accepted[k] = keep * self.accepted[k] + (k < accepted)
+
+    def rates(self) -> list[float]:
+        out, prior = [], self.prior_mean
+        for r, a in zip(self.reached, self.accepted, strict=True):
+            prior = (a + self.prior_strength * prior) / (r + self.prior_strength)
+            out.append(prior)
+        return out
+
+    def expected_tokens(self) -> list[float]:
+        """E[committed tokens | block L] for L = 0..depth + 1 (index L; E[0] unused)."""
+        out, total, reach = [0.0, 1.0], 1.0, 1.0
+        for p in self.rates():
+            reach *= p
+            total += reach
+            out.append(total)
+        return out
+
+
+def generic_cost(size: int) -> float:
+    """Cost shape (in plain-step units) used before a size is calibrated or measured."""
+    return 1.0 if size == 1 else 1.3 + 0.08 * (size - 1)
+
+
+@dataclass
+class CostModel:
+    """Seconds per cycle for each block size: base(L, position) x a measured correction."""
+
+    base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
+    smoothing: float = 0.25
+    scale: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
+    overall: float | None = None  # the same over every size (for sizes not measured yet)
+
+    def base_seconds(self, size: int, position: int) -> float:
+        if size in self.base:
+            a, b = self.base[size]
+            return max(a + b * position, 1e-6)
+        return generic_cost(size)
+
+    def predict(self, size: int, position: int) -> float:
+        scale = self.scale.get(size, self.overall)
+        if scale is None:
+            scale = 1.0 if self.base else 0.0  # uncalibrated and unmeasured: no opinion yet
+        return scale * self.base_seconds(size, position)
+
+    def observe(self, size: int, position: int, seconds: float) -> None:
+        ratio = seconds / self.base_seconds(size, position)
+        old = self.scale.get(size)
+        self.scale[size] = ratio if old is None else old + self.smoothing * (ratio - old)
+        if self.overall is None:
+            self.overall = ratio
+        else:
+            self.overall += self.smoothing * (ratio - self.overall)
+
+
+@dataclass
+class AutoBlockSize:
+    """`--block-size auto`: the expected-tokens-per-second maximiser (see the module docstring)."""
+
+    max_block: int
+    base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
+    probe_every: int = 8
+    max_probe_every: int = 64
+    sizes: list[int] = field(default_factory=list)
+    acceptance: AcceptanceModel | None = None
+    costs: CostModel | None = None
+    overhead: float = 0.0  # seconds between cycles (streaming), smoothed
+    predicted_tokens: float = 0.0  # sums over the chosen cycles, for predicted vs measured tok/s
+    predicted_seconds: float = 0.0
+    measured_tokens: float = 0.0  # the same cycles as measured
+    measured_seconds: float = 0.0
+    _seen: set[int] = field(default_factory=set)
+    _interval: int = 0
+    _since_probe: int = 0
+    _probing: bool = False
+    _best: int = 0
+    _last_end: float | None = None
+    prediction: tuple[float, float] | None = None  # the last choice's expected (tokens, seconds)
+    _position: int = 0
+
+    def __post_init__(self) -> None:
+        self.sizes = self.sizes or candidate_sizes(max(self.max_block, 1))
+        self.acceptance = self.acceptance or AcceptanceModel(max(self.max_block - 1, 0))
+        self.costs = self.costs or CostModel(dict(self.base_costs or {}))
+        self._interval = self.probe_every
+
+    def begin(self) -> None:
+        """A new generation starts: the time since the last cycle is not overhead."""
+        self._last_end = None
+
+    def scores(self, position: int) -> dict[int, float]:
+        """Expected committed tokens per second for every candidate size."""
+        expected = self.acceptance.expected_tokens()
+        return {L: expected[L] / (self.costs.predict(L, position) + self.overhead + 1e-9) for L in self.sizes}
+
+    def choose(self, limit: int, position: int) -> int:
+        self._position = position
+        if self._last_end is not None:
+            gap = time.perf_counter() - self._last_end
+            self.overhead += 0.25 * (gap - self.overhead)
+        if limit <= 1 or self.max_block <= 1:
+            size = 1
+        else:
+            size = self._pick(position)
+        size = min(size, limit)
+        seconds = self.costs.predict(size, position)
+        # No prediction before the cost model has an opinion of this size.
+        self.prediction = (self.acceptance.expected_tokens()[size], seconds + self.overhead) if seconds else None
+        return size
+
+    def _pick(self, position: int) -> int:
+        # Measure each of the extremes once before trusting a model that has seen nothing.
+        for size in (self.sizes[-1], 1):
+            if size not in self.costs.scale and not self.costs.base:
+                return size
+        ranked = sorted(self.sizes, key=self.scores(position).__getitem__, reverse=True)
+        best, runner_up = ranked[0], ranked[1]
+        if best != self._best:  # the choice changed: watch the alternatives closely again
+            self._best, self._interval, self._since_probe = best, self.probe_every, 0
+        self._probing = self._since_probe >= self._interval
+        if self._probing:
+            self._since_probe = 0
+            self._interval = min(2 * self._interval, self.max_probe_every)
+            return runner_up
+        self._since_probe += 1
+        return best
+
+    def record(self, size: int, accepted: int, seconds: float) -> None:
+        if self._probing and self.prediction is not None and accepted + 1 > self.prediction[0]:
+            self._interval = self.probe_every  # better than expected: look again soon
+        if size > 1:
+            self.acceptance.observe(size - 1, accepted)
+        if size in self._seen and size in self.sizes:  # a size's first cycle may include setup
+            self.costs.observe(size, self._position, seconds)
+        self._seen.add(size)
+        if self.prediction is not None:
+            self.predicted_tokens += self.prediction[0]
+            self.predicted_seconds += self.prediction[1]
+            self.measured_tokens += accepted + 1
+            self.measured_seconds += seconds + self.overhead
+        self._last_end = time.perf_counter()
+
+    @property
+    def predicted_tps(self) -> float:
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else 0.0
+
+    @property
+    def measured_tps(self) -> float:
+        """Committed tokens per second over the cycles that have a prediction."""
+        return self.measured_tokens / self.measured_seconds if self.measured_seconds > 0 else 0.0
