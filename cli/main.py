@@ -10,7 +10,7 @@ from .app import app, err_console, fail
 
 
 def _register() -> None:
-    from . import bench_cmd, chat_cmd, convert_cmd, generate_cmd, models_cmd, train_cmd  # noqa: F401
+    from . import bench_cmd, chat_cmd, convert_cmd, generate_cmd, models_cmd, serve_cmd, train_cmd  # noqa: F401
 
 
 def main() -> None:

@@ -1,0 +1,84 @@
+"""`dflash-mlx serve`: OpenAI- and Anthropic-compatible HTTP server (see mlx_dflash.server)."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from mlx_dflash.errors import DFlashError
+
+from .app import app
+
+EMBEDDED_ID = "SmolLM2-135M-Instruct"
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fail with one line before loading anything when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise DFlashError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
+@app.command()
+def serve(
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name, Hugging Face repo id, mlx-lm directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")] = None,
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id.")] = None,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Serve the target alone (plain decoding).")] = False,
+    host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8080,
+    api_key: Annotated[str | None, typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every /v1 request.")] = None,
+    block_size: Annotated[str | None, typer.Option("--block-size", help="'auto' (default: chosen each cycle for the most tokens per second) or a fixed number of tokens per draft block.")] = None,
+    max_tokens_default: Annotated[int, typer.Option("--max-tokens-default", min=1, help="Reply length when a request gives no max_tokens.")] = 512,
+    temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature when a request gives none (0: greedy).")] = 0.0,
+    prompt_cache_bytes: Annotated[int, typer.Option("--prompt-cache-bytes", min=0, help="Memory for caches kept across requests (0: no prompt cache).")] = 4 << 30,
+    served_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients use (default: --model as given).")] = None,
+    dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
+    quantize: Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target (see --q-bits).")] = False,
+    q_bits: Annotated[int | None, typer.Option("--q-bits", min=2, max=8, help="Bits per weight when quantizing (default 4; implies --quantize).")] = None,
+    log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level (info shows every request).")] = "warning",
+) -> None:
+    """Serve the model over OpenAI (/v1/chat/completions, /v1/completions) and Anthropic (/v1/messages) APIs.
+
+    Requests are decoded one at a time in arrival order; greedy replies equal the target's own.
+    Ctrl-C stops the server.
+    """
+    try:
+        import uvicorn
+
+        from mlx_dflash.server import Engine, EngineConfig, create_app
+        from mlx_dflash.server.state import ServerState
+    except ImportError as e:
+        raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
+    from mlx_dflash.policy import parse_block_size
+
+    from .chat_cmd import _load
+
+    size = parse_block_size(block_size)
+    _check_port(host, port)
+    console = Console(stderr=True, highlight=False)
+    target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
+                                              quantize or q_bits is not None, q_bits or 4)
+    engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes))
+    model_id = served_name or model or EMBEDDED_ID
+    aliases = {Path(model).name} if model else set()
+    state = ServerState(engine, model_id, api_key=api_key, max_tokens_default=max_tokens_default,
+                        temperature_default=temp, aliases=aliases - {model_id})
+    for line in lines:
+        console.print(line)
+    where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    drafting = f"DFlash, block size {engine.block_size}" if drafter is not None else "plain decoding (no drafter)"
+    console.print(escape(
+        f"serving '{model_id}' ({drafting}) at {where}/v1: OpenAI chat/completions and completions, "
+        f"Anthropic messages{', API key required' if api_key else ''}; Ctrl-C stops"))
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()

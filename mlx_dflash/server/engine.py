@@ -1,0 +1,224 @@
+"""The decode worker: one thread takes requests in arrival order and runs `stream_session`.
+
+Requests are decoded one at a time: a DFlash cycle already fills the accelerator
+with a block of positions, and a single session keeps speculative decoding exact
+and simple. The HTTP side never touches MLX; it submits a `Job` and receives the
+job's `Step`s and its final `Finished` through the job's `emit` callback.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.sample_utils import make_sampler
+
+from ..generate import GenerationStats, check_block_size, make_proposer, stream_session
+from ..policy import AUTO, DEFAULT_BLOCK_SIZE, FixedBlockSize, make_policy
+from ..session import DecodingSession
+from ..target import TargetModel
+from .prompt_cache import PromptCache
+from .text import TextFilter
+
+
+@dataclass
+class EngineConfig:
+    block_size: int | str = DEFAULT_BLOCK_SIZE  # "auto": chosen each cycle; an int: fixed
+    prompt_cache_bytes: int = 4 << 30
+
+
+@dataclass
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stops: list[str] = field(default_factory=list)
+    top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
+    capture_marker: str | None = None  # tool-call markup starts here
+
+
+@dataclass
+class TokenLogprob:
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class Step:
+    """Newly generated tokens and the text now safe to stream."""
+
+    tokens: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Finished:
+    finish_reason: str  # "stop" | "length" | "cancelled" | "error"
+    stats: GenerationStats
+    cached_tokens: int = 0
+    stop: str | None = None  # the stop string that ended the text
+    captured: str | None = None  # tool-call markup (marker excluded)
+    error: str | None = None
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    emit: Callable[[Step | Finished], None]
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+
+class LogprobRecorder:
+    """A sampler wrapper keeping the log-probabilities it was given (the target's verify rows)."""
+
+    def __init__(self, sampler: Any, top: int):
+        self.sampler = sampler
+        self.top = top
+        self.rows: mx.array | None = None
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.rows = logprobs
+        return self.sampler(logprobs)
+
+    def take(self, tokens: list[int]) -> list[TokenLogprob]:
+        if not tokens:
+            return []
+        rows = self.rows.reshape(-1, self.rows.shape[-1])[: len(tokens)].astype(mx.float32)
+        chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
+        top_ids = top_values = None
+        if self.top:
+            top_ids = mx.argsort(-rows, axis=-1)[:, : self.top]
+            top_values = mx.take_along_axis(rows, top_ids, axis=-1).tolist()
+            top_ids = top_ids.tolist()
+        return [
+            TokenLogprob(t, lp, list(zip(top_ids[i], top_values[i], strict=True)) if top_ids else [])
+            for i, (t, lp) in enumerate(zip(tokens, chosen, strict=True))
+        ]
+
+
+class Engine:
+    def __init__(self, target: TargetModel | Any, tokenizer: Any, drafter: Any | None = None,
+                 config: EngineConfig | None = None):
+        self.target = target if isinstance(target, TargetModel) else TargetModel(target)
+        self.tokenizer = tokenizer
+        self.drafter = drafter
+        self.config = config or EngineConfig()
+        self.max_block_size = check_block_size(None, drafter)
+        size = self.config.block_size
+        self.block_size = size if size == AUTO or drafter is None else check_block_size(int(size), drafter)
+        self.fixed_block_size = self.max_block_size if size == AUTO else min(int(size), self.max_block_size)
+        # One policy for every request: what pays on this machine holds across them.
+        self.policy = make_policy(self.block_size if drafter is not None else 1, self.max_block_size)
+        self.max_context = getattr(self.target.args, "max_position_embeddings", None)
+        self.stop_ids = set(tokenizer.eos_token_ids)
+        self.prompt_cache = PromptCache(self.config.prompt_cache_bytes, self._new_session)
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.busy = False
+
+    def _new_session(self) -> DecodingSession:
+        return DecodingSession(self.target, make_proposer(self.target, self.drafter, self.max_block_size))
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="dflash-decode", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Finish the running cycle, cancel what waits, and end the worker."""
+        if self._thread is None:
+            return
+        pending = []
+        while True:
+            try:
+                pending.append(self._jobs.get_nowait())
+            except queue.Empty:
+                break
+        for job in pending:
+            if job is not None:
+                job.cancelled.set()
+                job.emit(Finished("cancelled", GenerationStats()))
+        self._jobs.put(None)
+        self._thread.join(timeout)
+        self._thread = None
+
+    def submit(self, request: GenerationRequest, emit: Callable[[Step | Finished], None]) -> Job:
+        job = Job(request, emit)
+        self._jobs.put(job)
+        return job
+
+    @property
+    def waiting(self) -> int:
+        return self._jobs.qsize()
+
+    # -- the worker ----------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if job.cancelled.is_set():
+                job.emit(Finished("cancelled", GenerationStats(prompt_tokens=len(job.request.prompt))))
+                continue
+            self.busy = True
+            try:
+                job.emit(self._run(job))
+            except Exception as e:  # never let one request take the worker down
+                job.emit(Finished("error", GenerationStats(), error=f"{type(e).__name__}: {e}"))
+            finally:
+                self.busy = False
+
+    def _run(self, job: Job) -> Finished:
+        req = job.request
+        session, cached = self.prompt_cache.fetch(req.prompt)
+        new = req.prompt[len(session.tokens):]
+        if req.seed is not None:
+            mx.random.seed(req.seed)
+        sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+        recorder = LogprobRecorder(sampler, req.top_logprobs) if req.top_logprobs is not None else None
+        # A seeded sample is reproducible only if every cycle has the same size: no timing-driven choice.
+        seeded = req.seed is not None and req.temperature > 0
+        policy = FixedBlockSize(self.fixed_block_size) if seeded else self.policy
+        text = TextFilter(req.stops, req.capture_marker)
+        stream = stream_session(
+            session, new, recorder or sampler, max_tokens=req.max_tokens, stop=self.stop_ids,
+            detokenizer=self.tokenizer.detokenizer, policy=policy,
+        )
+        finish, stop, event, consistent = "cancelled", None, None, True
+        try:
+            for event in stream:
+                released = text.push(event.text)
+                logprobs = recorder.take(event.tokens) if recorder is not None else None
+                job.emit(Step(event.tokens, released.text, logprobs))
+                if released.stop is not None:
+                    finish, stop = "stop", released.stop
+                    break
+                if event.finish_reason:
+                    finish = event.finish_reason
+                    break
+                if job.cancelled.is_set():
+                    break
+        except BaseException:
+            consistent = False  # stopped inside a cycle: the caches may hold uncommitted work
+            raise
+        finally:
+            stream.close()
+            if consistent:
+                self.prompt_cache.store(session)
+        if finish in ("stop", "length") and stop is None:
+            tail = text.flush()
+            if tail:
+                job.emit(Step([], tail))
+        stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
+        return Finished(finish, stats, cached, stop, text.captured)

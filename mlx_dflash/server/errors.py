@@ -1,0 +1,31 @@
+"""The one error type request handling raises; each API renders it in its own shape."""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    """A request the server refuses: HTTP status, message and the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+
+    @property
+    def openai_type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error", 503: "server_error",
+                500: "server_error"}.get(self.status, "invalid_request_error")
+
+    @property
+    def anthropic_type(self) -> str:
+        return {401: "authentication_error", 404: "not_found_error", 413: "request_too_large",
+                503: "overloaded_error", 500: "api_error"}.get(self.status, "invalid_request_error")
+
+    def openai_body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.openai_type, "param": self.param,
+                          "code": self.code}}
+
+    def anthropic_body(self) -> dict:
+        return {"type": "error", "error": {"type": self.anthropic_type, "message": self.message}}

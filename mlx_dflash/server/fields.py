@@ -1,0 +1,96 @@
+"""Typed reads of request fields: each wrong type or range becomes a 400 naming the field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .errors import APIError
+
+_MISSING = object()
+
+
+def bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def _get(body: dict, name: str, default: Any) -> Any:
+    value = body.get(name, _MISSING)
+    return default if value is _MISSING or value is None else value
+
+
+def integer(body: dict, name: str, default: Any = None, low: int | None = None, high: int | None = None) -> Any:
+    value = _get(body, name, default)
+    if value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            raise bad(name, f"'{name}' must be an integer, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise bad(name, f"'{name}' must be {_range(low, high)}, got {value}")
+    return value
+
+
+def number(body: dict, name: str, default: Any = None, low: float | None = None, high: float | None = None,
+           low_open: bool = False) -> Any:
+    value = _get(body, name, default)
+    if value is default:
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad(name, f"'{name}' must be a number, got {value!r}")
+    value = float(value)
+    if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
+        opening = "(" if low_open else "["
+        raise bad(name, f"'{name}' must be in {opening}{low}, {high}], got {value}")
+    return value
+
+
+def boolean(body: dict, name: str, default: bool = False) -> bool:
+    value = _get(body, name, default)
+    if not isinstance(value, bool):
+        raise bad(name, f"'{name}' must be true or false, got {value!r}")
+    return value
+
+
+def string(body: dict, name: str, default: Any = _MISSING) -> Any:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise APIError(400, f"'{name}' is required", param=name, code="missing_required_parameter")
+        return default
+    if not isinstance(value, str):
+        raise bad(name, f"'{name}' must be a string, got {type(value).__name__}")
+    return value
+
+
+def array(body: dict, name: str, required: bool = False) -> list | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", param=name, code="missing_required_parameter")
+        return None
+    if not isinstance(value, list):
+        raise bad(name, f"'{name}' must be an array, got {type(value).__name__}")
+    return value
+
+
+def stop_strings(body: dict, name: str, limit: int = 16) -> list[str]:
+    value = body.get(name)
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad(name, f"'{name}' must be a string or an array of strings")
+    if len(value) > limit:
+        raise bad(name, f"'{name}' may list at most {limit} strings")
+    return [s for s in value if s]
+
+
+def _range(low: int | None, high: int | None) -> str:
+    if high is None:
+        return f">= {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"between {low} and {high}"

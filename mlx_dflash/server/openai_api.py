@@ -1,0 +1,293 @@
+"""OpenAI chat/completions and completions: request validation, replies and SSE chunk shapes."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from . import fields
+from .engine import Finished, GenerationRequest, Step, TokenLogprob
+from .errors import APIError
+from .sse import done_event, sse_event
+from .state import JobStream, ServerState, dflash_extension, usage_numbers
+from .tools import TOOL_CALL_OPEN, parse_tool_calls, template_tool_call
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class Options:
+    """What shapes the reply, beyond what the engine generates."""
+
+    kind: str  # "chat" | "completion"
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    tools: bool = False  # parse `<tool_call>` markup into tool_calls
+
+
+def _text_content(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise fields.bad(where, f"'{where}' parts must be text parts ({{'type': 'text', 'text': ...}}); "
+                                 "this server serves a text model")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise fields.bad(where, f"'{where}' must be a string or an array of text parts")
+
+
+def template_messages(messages: list) -> list[dict]:
+    """OpenAI messages as chat templates take them (content as text, earlier tool calls as mappings)."""
+    if not messages:
+        raise fields.bad("messages", "'messages' must hold at least one message")
+    out = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise fields.bad(where, f"'{where}' must be an object")
+        role = message.get("role")
+        if role not in ROLES:
+            raise fields.bad(f"{where}.role", f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}")
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                                 "content": _text_content(message.get("content"), f"{where}.content")}
+        calls = message.get("tool_calls")
+        if role == "assistant" and calls:
+            if not isinstance(calls, list):
+                raise fields.bad(f"{where}.tool_calls", f"'{where}.tool_calls' must be an array")
+            try:
+                entry["tool_calls"] = [template_tool_call(c["function"]["name"], c["function"].get("arguments", {}))
+                                       for c in calls]
+            except (KeyError, TypeError, AttributeError):
+                raise fields.bad(f"{where}.tool_calls", "each tool call needs function.name") from None
+        if role == "tool" and isinstance(message.get("tool_call_id"), str):
+            entry["tool_call_id"] = message["tool_call_id"]
+        if isinstance(message.get("name"), str):
+            entry["name"] = message["name"]
+        out.append(entry)
+    return out
+
+
+def parse_tools(body: dict) -> list[dict] | None:
+    tools = fields.array(body, "tools")
+    if not tools:
+        return None
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict) \
+                or not isinstance(function.get("name"), str):
+            raise fields.bad(f"tools[{i}]", f"'tools[{i}]' must be {{'type': 'function', 'function': {{'name': ...}}}}")
+    choice = body.get("tool_choice", "auto")
+    if choice == "none":
+        return None
+    if choice not in ("auto", "required") and not (isinstance(choice, dict) and choice.get("type") == "function"):
+        raise fields.bad("tool_choice", "'tool_choice' must be 'none', 'auto', 'required' or a function choice")
+    return tools
+
+
+def _sampling(state: ServerState, body: dict, prompt: list[int], max_tokens: int | None,
+              param: str = "messages") -> GenerationRequest:
+    if fields.integer(body, "n", 1) != 1:
+        raise fields.bad("n", "'n' must be 1: this server returns one choice per request")
+    top_k = fields.integer(body, "top_k", 0, low=-1)
+    return GenerationRequest(
+        prompt=prompt,
+        max_tokens=state.budget(prompt, max_tokens, param),
+        temperature=fields.number(body, "temperature", state.temperature_default, 0.0, 2.0),
+        top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        top_k=max(top_k, 0),
+        min_p=fields.number(body, "min_p", 0.0, 0.0, 1.0),
+        seed=fields.integer(body, "seed"),
+        stops=fields.stop_strings(body, "stop"),
+    )
+
+
+def _common(state: ServerState, body: dict) -> None:
+    state.check_model(fields.string(body, "model"))
+    fields.boolean(body, "stream")
+
+
+def _stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise fields.bad("stream_options", "'stream_options' must be an object")
+    if not stream:
+        raise fields.bad("stream_options", "'stream_options' is only allowed with 'stream': true")
+    return fields.boolean(options, "include_usage")
+
+
+def chat_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Options]:
+    _common(state, body)
+    messages = template_messages(fields.array(body, "messages", required=True))
+    tools = parse_tools(body)
+    prompt = state.render(messages, tools)
+    max_tokens = fields.integer(body, "max_completion_tokens", fields.integer(body, "max_tokens", None, low=1), low=1)
+    request = _sampling(state, body, prompt, max_tokens)
+    logprobs = fields.boolean(body, "logprobs")
+    top = fields.integer(body, "top_logprobs", None, 0, 20)
+    if top is not None and not logprobs:
+        raise fields.bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+    request.top_logprobs = (top or 0) if logprobs else None
+    request.capture_marker = TOOL_CALL_OPEN if tools else None
+    stream = fields.boolean(body, "stream")
+    return request, Options("chat", stream, _stream_options(body, stream), logprobs, bool(tools))
+
+
+def completion_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Options]:
+    _common(state, body)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = state.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        vocab = state.engine.target.vocab_size
+        if not all(0 <= t < vocab for t in prompt):
+            raise fields.bad("prompt", f"token ids must be in [0, {vocab})")
+        ids = list(prompt)
+    else:
+        raise fields.bad("prompt", "'prompt' must be a string, an array of token ids, or an array of one of these")
+    for name, default in (("echo", False), ("suffix", None)):
+        if body.get(name) not in (None, default):
+            raise fields.bad(name, f"'{name}' is not supported by this server")
+    if fields.integer(body, "best_of", 1) != 1:
+        raise fields.bad("best_of", "'best_of' must be 1")
+    request = _sampling(state, body, ids, fields.integer(body, "max_tokens", None, low=1), "prompt")
+    request.top_logprobs = fields.integer(body, "logprobs", None, 0, 20)
+    stream = fields.boolean(body, "stream")
+    return request, Options("completion", stream, _stream_options(body, stream), request.top_logprobs is not None)
+
+
+# -- replies --------------------------------------------------------------------------------
+def _finish_reason(finished: Finished, tool_calls: bool) -> str:
+    if finished.finish_reason == "error":
+        raise APIError(500, f"generation failed: {finished.error}")
+    if tool_calls:
+        return "tool_calls"
+    return "length" if finished.finish_reason == "length" else "stop"
+
+
+def _usage(state: ServerState, request: GenerationRequest, finished: Finished) -> dict:
+    prompt, completion, cached = usage_numbers(request, finished)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+class _LogprobFormat:
+    def __init__(self, state: ServerState):
+        self.decode = state.tokenizer.decode
+        self.offset = 0
+
+    def chat(self, items: list[TokenLogprob]) -> list[dict]:
+        def one(token: int, logprob: float) -> dict:
+            text = self.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [dict(one(i.token, i.logprob), top_logprobs=[one(t, lp) for t, lp in i.top]) for i in items]
+
+    def completion(self, items: list[TokenLogprob]) -> dict:
+        out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for item in items:
+            text = self.decode([item.token])
+            out["tokens"].append(text)
+            out["token_logprobs"].append(item.logprob)
+            out["top_logprobs"].append({self.decode([t]): lp for t, lp in item.top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def _calls(finished: Finished) -> tuple[list[dict] | None, str]:
+    """Parsed tool calls (OpenAI shape) and the markup text to show if it did not parse."""
+    if finished.captured is None:
+        return None, ""
+    calls = parse_tool_calls(finished.captured)
+    if calls is None:
+        return None, TOOL_CALL_OPEN + finished.captured
+    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+            for c in calls], ""
+
+
+def reply(state: ServerState, request: GenerationRequest, options: Options, steps: list[Step],
+          finished: Finished) -> dict:
+    text = "".join(s.text for s in steps)
+    logprob_items = [lp for s in steps for lp in (s.logprobs or [])]
+    fmt = _LogprobFormat(state)
+    created = int(time.time())
+    if options.kind == "completion":
+        reason = _finish_reason(finished, False)
+        choice = {"index": 0, "text": text, "logprobs": fmt.completion(logprob_items) if options.logprobs else None,
+                  "finish_reason": reason}
+        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": created,
+                "model": state.model_id, "choices": [choice], "usage": _usage(state, request, finished),
+                "system_fingerprint": None, "dflash": dflash_extension(state, finished)}
+    calls, leftover = _calls(finished) if options.tools else (None, "")
+    reason = _finish_reason(finished, bool(calls))
+    message: dict[str, Any] = {"role": "assistant", "content": (text + leftover) or (None if calls else ""),
+                               "refusal": None}
+    if calls:
+        message["tool_calls"] = calls
+    choice = {"index": 0, "message": message,
+              "logprobs": {"content": fmt.chat(logprob_items), "refusal": None} if options.logprobs else None,
+              "finish_reason": reason}
+    return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion", "created": created,
+            "model": state.model_id, "choices": [choice], "usage": _usage(state, request, finished),
+            "system_fingerprint": None, "dflash": dflash_extension(state, finished)}
+
+
+async def stream(
+    state: ServerState, request: GenerationRequest, options: Options, job: JobStream
+) -> AsyncIterator[str]:
+    chat = options.kind == "chat"
+    base = {"id": ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()), "model": state.model_id, "system_fingerprint": None}
+    fmt = _LogprobFormat(state)
+
+    def chunk(text: str | None = None, reason: str | None = None, logprobs: list | None = None,
+              delta: dict | None = None) -> dict:
+        if chat:
+            choice = {"index": 0, "delta": delta if delta is not None else {"content": text},
+                      "logprobs": {"content": fmt.chat(logprobs), "refusal": None} if logprobs is not None else None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text or "", "finish_reason": reason,
+                      "logprobs": fmt.completion(logprobs) if logprobs is not None else None}
+        out = dict(base, choices=[choice])
+        if options.include_usage:
+            out["usage"] = None
+        return out
+
+    if chat:
+        yield sse_event(chunk(delta={"role": "assistant", "content": ""}))
+    async for item in job:
+        if isinstance(item, Step):
+            logprobs = item.logprobs if options.logprobs else None
+            if item.text or logprobs:
+                yield sse_event(chunk(item.text, logprobs=logprobs))
+            continue
+        if item.finish_reason == "error":
+            error = APIError(500, f"generation failed: {item.error}")
+            yield sse_event(error.openai_body())
+            break
+        calls, leftover = _calls(item) if options.tools else (None, "")
+        if leftover:
+            yield sse_event(chunk(leftover))
+        if calls:
+            yield sse_event(chunk(delta={"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
+        last = chunk(reason=_finish_reason(item, bool(calls)), delta={} if chat else None)
+        last["dflash"] = dflash_extension(state, item)
+        yield sse_event(last)
+        if options.include_usage:
+            yield sse_event(dict(base, choices=[], usage=_usage(state, request, item)))
+    yield done_event()

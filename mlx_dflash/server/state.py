@@ -1,0 +1,127 @@
+"""What every route shares: the engine, the served model's name and defaults, prompt rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from .engine import Engine, Finished, GenerationRequest, Job, Step
+from .errors import APIError
+
+
+@dataclass
+class ServerState:
+    engine: Engine
+    model_id: str
+    api_key: str | None = None
+    max_tokens_default: int = 512
+    temperature_default: float = 0.0
+    aliases: set[str] = field(default_factory=set)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_id and name not in self.aliases:
+            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
+                           param="model", code="model_not_found")
+
+    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True)
+        except Exception as e:  # a template rejecting the conversation (roles, order) is the request's fault
+            raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        return list(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def budget(self, prompt: list[int], max_tokens: int | None, param: str = "messages") -> int:
+        """The tokens a reply may have: as asked (or the default), within the context window."""
+        if not prompt:
+            raise APIError(400, "the prompt is empty", param=param)
+        limit = self.engine.max_context
+        if limit is not None and len(prompt) >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
+                           f"{len(prompt)} tokens", param=param, code="context_length_exceeded")
+        wanted = max_tokens if max_tokens is not None else self.max_tokens_default
+        return wanted if limit is None else min(wanted, limit - len(prompt))
+
+    def run(self, request: GenerationRequest) -> JobStream:
+        return JobStream(self.engine, request)
+
+
+class JobStream:
+    """A submitted job's `Step`s and its `Finished`, as an async iterator; closing it cancels the job."""
+
+    def __init__(self, engine: Engine, request: GenerationRequest):
+        loop = asyncio.get_running_loop()
+        self.items: asyncio.Queue[Step | Finished] = asyncio.Queue()
+
+        def emit(item: Step | Finished) -> None:
+            try:
+                loop.call_soon_threadsafe(self.items.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody listens
+                self.job.cancelled.set()
+
+        self.job: Job = engine.submit(request, emit)
+
+    def cancel(self) -> None:
+        self.job.cancelled.set()
+
+    async def __aiter__(self) -> AsyncIterator[Step | Finished]:
+        try:
+            while True:
+                item = await self.items.get()
+                yield item
+                if isinstance(item, Finished):
+                    return
+        finally:
+            self.job.cancelled.set()
+
+    async def collect(self, request: Any) -> tuple[list[Step], Finished]:
+        """Every item (non-streaming replies), cancelling the job if the client goes away."""
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.2)
+            self.cancel()
+
+        watcher = asyncio.create_task(watch())
+        steps: list[Step] = []
+        try:
+            async for item in self:
+                if isinstance(item, Finished):
+                    return steps, item
+                steps.append(item)
+        finally:
+            watcher.cancel()
+        raise APIError(500, "generation ended without a result")
+
+
+def usage_numbers(request: GenerationRequest, finished: Finished) -> tuple[int, int, int]:
+    """Prompt tokens, generated tokens, and prompt tokens taken from the prompt cache."""
+    return len(request.prompt), finished.stats.num_tokens, finished.cached_tokens
+
+
+def dflash_extension(state: ServerState, finished: Finished) -> dict:
+    """How DFlash decoded this reply; ordinary clients ignore the extra field."""
+    stats = finished.stats
+    return {
+        "drafter": state.engine.drafter is not None,
+        "block_size": state.engine.block_size,
+        "tau": round(stats.tau, 4),
+        "cycles": stats.cycles,
+        "plain_cycles": stats.plain_cycles,
+        "acceptance_histogram": stats.histogram,
+        "cached_prompt_tokens": finished.cached_tokens,
+        "prefill_seconds": round(stats.prefill_time, 4),
+        "decode_seconds": round(stats.decode_time, 4),
+    }

@@ -1,0 +1,54 @@
+"""A live `dflash-mlx serve` app on 127.0.0.1 and a free port, in a thread, for the server tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from mlx_dflash.server import Engine, EngineConfig, create_app
+from mlx_dflash.server.state import ServerState
+
+MODEL_ID = "tiny"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """Starts the app with uvicorn in a thread (bounded wait) and stops it on exit."""
+
+    def __init__(self, target, tokenizer, drafter=None, *, api_key: str | None = None,
+                 config: EngineConfig | None = None, max_tokens_default: int = 64):
+        self.engine = Engine(target, tokenizer, drafter, config or EngineConfig())
+        self.state = ServerState(self.engine, MODEL_ID, api_key=api_key, max_tokens_default=max_tokens_default)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
+                                                    log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        for _ in range(400):
+            if self.server.started:
+                return self
+            time.sleep(0.025)
+        raise RuntimeError("the test server did not start within 10 s")
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+    def wait_idle(self, timeout: float = 20.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.engine.busy and self.engine.waiting == 0:
+                return True
+            time.sleep(0.02)
+        return False

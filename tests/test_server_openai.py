@@ -1,0 +1,281 @@
+"""`dflash-mlx serve`, OpenAI side, over a live server: the official SDK, curl, many clients, bad input.
+
+Every reply is checked against the target decoding alone (mlx-lm's generate_step) or
+against `mlx_dflash.generate` with the same drafter, on tiny random models.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+
+import httpx
+import mlx.core as mx
+import openai
+import pytest
+from serverkit import MODEL_ID, LiveServer
+from tiny import EOS_ID, greedy_reference, save_target, tiny_drafter, tiny_target
+
+import mlx_dflash
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    path = save_target(tiny_target("qwen3", seed=0), "qwen3", tmp_path_factory.mktemp("target"))
+    target, tokenizer, _ = mlx_dflash.load(str(path))
+    return target, tokenizer, tiny_drafter(target, block_size=8)
+
+
+@pytest.fixture(scope="module")
+def server(pair):
+    with LiveServer(*pair) as live:
+        yield live
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def reference_ids(model, prompt: list[int], n: int) -> list[int]:
+    out = greedy_reference(model, prompt, n)
+    return out[: out.index(EOS_ID)] if EOS_ID in out else out
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def test_chat_greedy_equals_target_alone_and_generate(pair, client):
+    model, tokenizer, drafter = pair
+    reply = client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": "What is speculative decoding?"}], max_tokens=40)
+    prompt = chat_ids(tokenizer, "What is speculative decoding?")
+    expected = reference_ids(model, prompt, 40)
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
+    assert reply.choices[0].message.content == mlx_dflash.generate(model, tokenizer, prompt, draft_model=drafter,
+                                                                   max_tokens=40)
+    assert reply.choices[0].finish_reason == ("length" if len(expected) == 40 else "stop")
+    assert reply.usage.prompt_tokens == len(prompt)
+    assert reply.usage.completion_tokens == len(expected)
+    assert reply.usage.total_tokens == len(prompt) + len(expected)
+    extension = reply.model_extra["dflash"]
+    assert extension["drafter"] is True and extension["cycles"] >= 1
+    assert sum(extension["acceptance_histogram"]) == extension["cycles"]
+
+
+def test_chat_stream_matches_and_reports_usage(pair, client):
+    model, tokenizer, _ = pair
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Name a "}, {"type": "text", "text": "colour."}]}]
+    chunks = list(client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=30, stream=True,
+                                                 stream_options={"include_usage": True}))
+    prompt = list(tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}],
+        add_generation_prompt=True))
+    expected = reference_ids(model, prompt, 30)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tokenizer.decode(expected)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_text_and_token_ids_stream_and_not(pair, client):
+    model, tokenizer, _ = pair
+    prompt = tokenizer.encode("The quick brown fox")
+    expected = tokenizer.decode(reference_ids(model, prompt, 32))
+    plain = client.completions.create(model=MODEL_ID, prompt="The quick brown fox", max_tokens=32)
+    assert plain.object == "text_completion" and plain.choices[0].text == expected
+    streamed = list(client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=32, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    assert streamed[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_string_spanning_blocks_is_never_streamed(pair, client):
+    model, tokenizer, _ = pair
+    prompt_text = "Tell me a story."
+    full = tokenizer.decode(reference_ids(model, chat_ids(tokenizer, prompt_text), 60))
+    assert len(full) >= 24, "the tiny model's reply is too short for this test"
+    stop = full[14:19]  # five characters: more than one verify cycle of this drafter commits
+    expected = full[: full.index(stop)]
+    chunks = list(client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": prompt_text}], max_tokens=60, stream=True,
+        stop=["\u2603 never", stop]))
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    plain = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": prompt_text}],
+                                           max_tokens=60, stop=stop)
+    assert plain.choices[0].message.content == expected and plain.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    def sample(seed: int, stream: bool = False) -> str:
+        kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Pick words."}], max_tokens=24,
+                      temperature=1.0, top_p=0.95, seed=seed)
+        if stream:
+            return "".join(c.choices[0].delta.content or ""
+                           for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)
+        return client.chat.completions.create(**kwargs).choices[0].message.content
+
+    first = sample(7)
+    assert sample(7) == first  # the second run starts from the prompt cache
+    assert sample(7, stream=True) == first
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_logprobs_are_the_targets_own(pair, client):
+    model, tokenizer, _ = pair
+    prompt = chat_ids(tokenizer, "Logprobs please")
+    expected = reference_ids(model, prompt, 12)
+    reply = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Logprobs please"}],
+                                           max_tokens=12, logprobs=True, top_logprobs=3)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == len(expected)
+    logits = model(mx.array(prompt + expected, dtype=mx.uint32)[None])[0].astype(mx.float32)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for i, (entry, token) in enumerate(zip(content, expected, strict=True)):
+        row = rows[len(prompt) - 1 + i]
+        assert entry.token == tokenizer.decode([token])
+        assert entry.logprob == pytest.approx(row[token].item(), abs=1e-3)
+        top = mx.argsort(-row)[:3].tolist()
+        assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t]) for t in top]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([row[t].item() for t in top], abs=1e-3)
+    completion = client.completions.create(model=MODEL_ID, prompt=prompt, max_tokens=12, logprobs=2)
+    assert len(completion.choices[0].logprobs.token_logprobs) == len(reference_ids(model, prompt, 12))
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    assert client.models.retrieve(MODEL_ID).id == MODEL_ID
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["model"] == MODEL_ID
+
+
+def test_curl_sse_framing(server):
+    body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
+                       "stream": True})
+    raw = subprocess.run(["curl", "-sN", "--max-time", "60", server.url + "/v1/chat/completions",
+                          "-H", "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, timeout=90, check=True).stdout
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert len(events) >= 3
+    for event in events[:-1]:
+        assert event.startswith("data: ") and "\n" not in event
+        assert json.loads(event[len("data: "):])["object"] == "chat.completion.chunk"
+
+
+def test_eight_concurrent_streams_each_equal_their_solo_run(pair, server):
+    model, tokenizer, _ = pair
+    questions = [f"Question number {i}: why?" for i in range(8)]
+    results: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        stream = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": questions[i]}],
+                                                max_tokens=24, stream=True)
+        results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert sorted(results) == list(range(8))
+    for i, question in enumerate(questions):
+        assert results[i] == tokenizer.decode(reference_ids(model, chat_ids(tokenizer, question), 24)), i
+
+
+@pytest.fixture(scope="module")
+def endless(pair):
+    """The tiny target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
+    _, tokenizer, _ = pair
+    model = tiny_target("qwen3", seed=0)
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
+    mx.eval(model.parameters())
+    return model, tokenizer, tiny_drafter(model, block_size=8)
+
+
+def test_dropped_stream_stops_its_generation_and_the_next_request_is_served(endless):
+    model, tokenizer, drafter = endless
+    with LiveServer(model, tokenizer, drafter) as live:
+        body = {"model": MODEL_ID, "prompt": "forever and ever", "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            received = [next(lines) for _ in range(4)]
+        assert any(line.startswith("data: ") for line in received)
+        assert live.wait_idle(60), "the dropped generation did not stop"
+        sessions = [s for s, _ in live.engine.prompt_cache._entries.values()]
+        prompt = tokenizer.encode("forever and ever")
+        assert len(sessions) == 1 and len(sessions[0].tokens) < len(prompt) + 4000
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model=MODEL_ID, prompt="next one", max_tokens=16)
+        assert reply.choices[0].text == tokenizer.decode(greedy_reference(model, tokenizer.encode("next one"), 16))
+
+
+def test_api_key(pair):
+    with LiveServer(*pair, api_key="sesame") as live:
+        body = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}
+        refused = httpx.post(live.url + "/v1/completions", json=body)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        anthropic_shape = httpx.post(live.url + "/v1/messages", json=body)
+        assert anthropic_shape.status_code == 401 and anthropic_shape.json()["type"] == "error"
+        assert httpx.post(live.url + "/v1/completions", json=body,
+                          headers={"Authorization": "Bearer sesame"}).status_code == 200
+        assert httpx.get(live.url + "/v1/models", headers={"x-api-key": "sesame"}).status_code == 200
+        assert httpx.get(live.url + "/health").status_code == 200
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=live.url + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+BAD_REQUESTS = [
+    # (route, body or raw text, status, offending field or None)
+    ("/v1/chat/completions", "{not json", 400, None),
+    ("/v1/chat/completions", "[1, 2]", 400, None),
+    ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
+    ("/v1/chat/completions", dict(CHAT, model="gpt-unknown"), 404, "model"),
+    ("/v1/chat/completions", dict(CHAT, messages="hi"), 400, "messages"),
+    ("/v1/chat/completions", dict(CHAT, messages=[]), 400, "messages"),
+    ("/v1/chat/completions", dict(CHAT, messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),
+    ("/v1/chat/completions", dict(CHAT, messages=[{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]), 400, "messages[0].content"),
+    ("/v1/chat/completions", dict(CHAT, max_tokens=0), 400, "max_tokens"),
+    ("/v1/chat/completions", dict(CHAT, max_tokens="ten"), 400, "max_tokens"),
+    ("/v1/chat/completions", dict(CHAT, max_completion_tokens=-3), 400, "max_completion_tokens"),
+    ("/v1/chat/completions", dict(CHAT, temperature=-0.5), 400, "temperature"),
+    ("/v1/chat/completions", dict(CHAT, top_p=0), 400, "top_p"),
+    ("/v1/chat/completions", dict(CHAT, top_p=1.5), 400, "top_p"),
+    ("/v1/chat/completions", dict(CHAT, n=2), 400, "n"),
+    ("/v1/chat/completions", dict(CHAT, stop=5), 400, "stop"),
+    ("/v1/chat/completions", dict(CHAT, stream="yes"), 400, "stream"),
+    ("/v1/chat/completions", dict(CHAT, logprobs=True, top_logprobs=50), 400, "top_logprobs"),
+    ("/v1/chat/completions", dict(CHAT, seed="x"), 400, "seed"),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": {"text": "x"}}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL_ID, "prompt": "ab" * 2100}, 400, "prompt"),
+    ("/v1/nowhere", CHAT, 404, None),
+]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_lives(server):
+    for route, body, status, param in BAD_REQUESTS:
+        kwargs = {"content": body} if isinstance(body, str) else {"json": body}
+        response = httpx.post(server.url + route, headers={"Content-Type": "application/json"}, **kwargs)
+        assert response.status_code == status, (route, body, response.text)
+        error = response.json()["error"]
+        assert isinstance(error["message"], str) and error["message"], (route, body)
+        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        if param is not None:
+            assert error["param"] == param, (route, body, error)
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
