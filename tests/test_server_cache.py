@@ -1,0 +1,107 @@
+"""The server's prompt cache: a conversation's second turn computes only its new tokens and equals
+a cold run, for an attention, a hybrid (GatedDeltaNet) and a sliding-window target; LRU in bytes."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from serverkit import MODEL_ID, LiveServer
+from test_families import build
+from tiny import EOS_ID, greedy_reference, tiny_drafter, write_tokenizer
+
+from mlx_dflash.server.prompt_cache import PromptCache, session_bytes
+from mlx_dflash.session import DecodingSession
+from mlx_dflash.target import TargetModel
+
+SPECIALS = {0, 1, 3}  # decode to markup that does not re-encode to the same ids
+
+
+class CountingTarget(TargetModel):
+    """Records how many positions each target forward pass computes."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.fed: list[int] = []
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        self.fed.append(tokens.shape[1])
+        return super().forward(tokens, cache, *args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(path)
+    return load_tokenizer(path, eos_token_ids=[EOS_ID])
+
+
+def reply_of(model, tokenizer, messages, n):
+    prompt = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    out = greedy_reference(model, prompt, n)
+    return (out[: out.index(EOS_ID)] if EOS_ID in out else out), prompt
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3_text"])  # attention, hybrid, sliding window
+def test_second_turn_computes_only_new_tokens_and_equals_a_cold_run(family, tokenizer):
+    model = build(family, seed=3)
+    target = CountingTarget(model)
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
+    # A first question whose reply re-renders to the same ids (no special tokens in it).
+    for i in range(12):
+        first = [{"role": "user", "content": f"Question {i}: what is a cache?"}]
+        ids, _ = reply_of(model, tokenizer, first, 16)
+        if not SPECIALS & set(ids):
+            break
+    else:
+        pytest.skip("no first reply free of special tokens")
+    with LiveServer(target, tokenizer, drafter) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        one = client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=16)
+        assert one.choices[0].message.content == tokenizer.decode(ids)
+        assert one.usage.prompt_tokens_details.cached_tokens == 0
+        second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                          {"role": "user", "content": "And a second one, please?"}]
+        expected, prompt = reply_of(model, tokenizer, second, 20)
+        target.fed.clear()
+        two = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=20)
+        cached = two.usage.prompt_tokens_details.cached_tokens
+        # Turn one's prompt and reply (all but the pending token) come from the cache.
+        assert cached == one.usage.prompt_tokens + len(ids) - (len(ids) == 16)
+        assert target.fed[0] == len(prompt) - cached  # the prefill computed only the rest
+        assert two.model_extra["dflash"]["cached_prompt_tokens"] == cached
+        assert two.choices[0].message.content == tokenizer.decode(expected)  # equals the cold run
+
+
+def _session(model_type: str, tokens: int) -> DecodingSession:
+    from mlx_lm.sample_utils import make_sampler
+
+    session = DecodingSession(TargetModel(build(model_type, seed=5)))
+    session.extend(list(range(10, 10 + tokens)), make_sampler(0.0))
+    return session
+
+
+def test_lru_in_bytes_and_divergent_prefixes():
+    sessions = [_session("qwen3", 20) for _ in range(3)]
+    size = session_bytes(sessions[0])
+    cache = PromptCache(2 * size, lambda: DecodingSession(sessions[0].target))
+    for s in sessions:
+        s.tokens[5] = 100 + len(cache)  # three distinct histories
+        cache.store(s)
+    assert len(cache) == 2 and cache.nbytes <= 2 * size  # the oldest went first
+    newest = sessions[2]
+    diverging = newest.tokens[:12] + [120, 121]
+    session, cached = cache.fetch(diverging)
+    assert cached == 11 and session.tokens == newest.tokens[:12] and session is not newest
+    assert len(cache) == 2  # the longer history stays for its own continuation
+    extending = newest.tokens + [7, 8]
+    session, cached = cache.fetch(extending)
+    assert session is newest and cached == len(newest.tokens) - 1 and len(cache) == 1
+
+
+def test_hybrid_divergence_starts_cold():
+    session = _session("qwen3_5", 12)
+    cache = PromptCache(1 << 30, lambda: DecodingSession(session.target))
+    cache.store(session)
+    fresh, cached = cache.fetch(session.tokens[:6] + [99, 98])
+    assert cached == 0 and fresh.tokens == [] and len(cache) == 1  # a recurrent state cannot be rewound
