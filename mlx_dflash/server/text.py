@@ -42,7 +42,7 @@ class TextFilter:
             self.pending = ""
             self.released += text
             if word == self.marker and word not in self.stops:
-                self.captured = word
+                self.captured = ""
                 tail = self._push_captured(rest)
                 return Released(text, tail.stop, True)
             self.stopped = word
