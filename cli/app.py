@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 import mlx_dflash  # noqa: F401  (Linux: OpenBLAS must load before mlx.core)
 
@@ -29,5 +30,5 @@ def _root() -> None:
 
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print one clear error line (no traceback) and return the exit to raise."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)

@@ -9,6 +9,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -77,8 +78,8 @@ def results_table(rows: list[dict]) -> Table:
 
 @app.command()
 def bench(
-    model: Annotated[str, typer.Option("--model", "-m", help="Target: mlx-lm model directory or Hugging Face repo id.")],
-    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id (without it only the target-alone modes run).")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name, Hugging Face repo id, mlx-lm directory or .gguf file (default: the embedded SmolLM2-135M-Instruct and its drafter, as in chat).")] = None,
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory, repo id or short name (default: the short name's or the embedded default's; without one only the target-alone modes run).")] = None,
     dataset: Annotated[list[str] | None, typer.Option("--dataset", help="gsm8k | math500 | humaneval | mbpp | mt-bench | FILE (.jsonl/.json/.txt); repeatable.")] = None,
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Directory with local copies of the datasets (default: download from the Hub).")] = None,
     limit: Annotated[int, typer.Option("--limit", min=0, help="First N prompts of each dataset (0: all).")] = 10,
@@ -103,6 +104,7 @@ def bench(
         load_prompts,
         run_bench,
     )
+    from mlx_dflash.resolve import choose_pair
 
     if report is not None:
         from mlx_dflash.bench.report import _pyplot
@@ -112,7 +114,8 @@ def bench(
     sizes = parse_block_sizes(block_size)
     names = dataset or ["gsm8k"]
     prompts = [p for name in names for p in load_prompts(name, data_dir, limit=limit or None)]
-    target, tokenizer, drafter = mlx_dflash.load(model, draft, dtype=dtype)
+    choice = choose_pair(model, draft)
+    target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
     if sizes and drafter is None:
         raise DFlashError("--block-size needs a --draft")
     engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
@@ -130,13 +133,13 @@ def bench(
 
         result = run_bench(engines, tokenizer, prompts, config, step)
     settings = {
-        "model": model, "draft": draft, "datasets": names, "data_dir": str(data_dir) if data_dir else None,
+        "model": model or choice.target, "draft": choice.draft, "datasets": names, "data_dir": str(data_dir) if data_dir else None,
         "limit": limit, "max_tokens": max_tokens, "block_sizes": [e.block_size for e in engines if e.block_size],
         "temp": temp, "seed": seed, "think": think, "repeats": repeats,
         "contexts": [c for c in contexts if c], "dtype": dtype, "modes": [e.name for e in engines],
     }
     command = "dflash-mlx bench " + shlex.join(
-        ["--model", model, *(["--draft", draft] if draft else []), *(a for n in names for a in ("--dataset", n)),
+        [*(["--model", model] if model else []), *(["--draft", draft] if draft else []), *(a for n in names for a in ("--dataset", n)),
          *(["--data-dir", str(data_dir)] if data_dir else []), "--limit", str(limit),
          "--max-tokens", str(max_tokens), *(a for b in sizes for a in ("--block-size", str(b))),
          "--temp", str(temp), "--seed", str(seed), "--repeats", str(repeats),
@@ -153,14 +156,14 @@ def bench(
             json_path.write_text(json.dumps(doc, indent=1))
         except OSError as e:
             raise DFlashError(f"{json_path}: cannot write ({e.strerror or e})") from None
-        err_console.print(f"records written to {json_path}")
+        err_console.print(escape(f"records written to {json_path}"), highlight=False)
     if report is not None:
         from mlx_dflash.bench.report import write_report
 
-        err_console.print(f"report written to {write_report(doc, report)}")
+        err_console.print(escape(f"report written to {write_report(doc, report)}"), highlight=False)
     if not result.ok:
         for failure in result.failures:
-            err_console.print(f"[bold red]mismatch:[/] {failure}", highlight=False)
+            err_console.print(f"[bold red]mismatch:[/] {escape(str(failure))}", highlight=False)
         raise typer.Exit(1)
 
 

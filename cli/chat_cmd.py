@@ -13,12 +13,15 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console, Group
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app
+from .calibrate_cmd import calibration_for
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
@@ -30,12 +33,13 @@ HELP = """\
 /system TEXT        set the system message (/system alone clears it)
 /temp X             sampling temperature (0: greedy)
 /top-p X            nucleus sampling (0: off)
+/top-k N            sample among the N most likely tokens (0: off)
+/min-p X            drop tokens below X times the top token's probability (0: off)
 /max-tokens N       most tokens per reply
-/block-size N       tokens per draft block (1: plain decoding)
+/block-size auto|N  tokens per draft block: auto (chosen each cycle) or fixed (1: plain decoding)
 /think on|off       thinking switch of models that have one (e.g. Qwen3)
-/adaptive on|off    draft only while it is faster than plain steps (off: always draft)
 /color on|off       colour drafted vs target tokens
-/stats              acceptance histogram and totals of this session
+/stats              acceptance and block-size histograms, predicted vs measured speed
 /save FILE          write the conversation as JSON
 /exit               leave (also Ctrl-D, or Ctrl-C at the prompt)
 Multi-line input: end a line with \\ to continue it, or wrap the text in \"\"\" lines.
@@ -46,51 +50,25 @@ def _load(console: Console, model: str | None, draft: str | None, no_draft: bool
           quantize: bool, q_bits: int) -> tuple[Any, Any, Any, list[str]]:
     """Resolve and load the pair; returns (model, tokenizer, drafter, lines describing them)."""
     import mlx_dflash
+    from mlx_dflash.resolve import choose_pair
 
-    notes: list[str] = []
-    source = "as given"
     if model is None:
-        try:
-            from mlx_dflash.resolve import embedded_default_drafter, embedded_default_target
-        except ImportError:
-            raise DFlashError(
-                "no --model given and this install has no embedded default model; pass --model"
-            ) from None
         with console.status("preparing the embedded default model (the first start converts it)"):
-            model = str(embedded_default_target())
-        source = "embedded default, SmolLM2-135M-Instruct"
-        if draft is None and not no_draft:
-            default_drafter = embedded_default_drafter()
-            if default_drafter is not None:
-                draft = str(default_drafter)
-                notes.append("drafter: the project's own for SmolLM2 (how it was trained and what it reaches: "
-                             "MODEL_CARD.md beside it); adaptive drafting falls back to plain steps while drafting does not pay")
-            else:
-                notes.append("[yellow]no trained DFlash drafter exists yet for the embedded default: "
-                             "plain decoding (no speedup)[/]")
+            choice = choose_pair(model, draft, no_draft)
     else:
-        from mlx_dflash.resolve import is_short_name, known_pair
-
-        if is_short_name(model):
-            pair = known_pair(model)
-            source = f"short name for {pair.target}"
-            if draft is None and not no_draft:
-                draft = pair.drafter
-        elif draft is None and not no_draft:
-            notes.append("[yellow]no --draft given: plain decoding with the target alone[/]")
-    if no_draft:
-        draft = None
-        notes.append("--no-draft: plain decoding with the target alone")
+        choice = choose_pair(model, draft, no_draft)
+    model, draft, source = choice.target, choice.draft, choice.source
+    notes = [escape(n) for n in choice.notes] + [f"[yellow]{escape(w)}[/]" for w in choice.warnings]
     quant = None
     if quantize:
         model, quant = _quantized(console, model, q_bits)
     where = "local" if Path(model).expanduser().exists() else "Hugging Face cache or Hub"
-    with console.status(f"loading {model}" + (f" and {draft}" if draft else "")):
+    with console.status(escape(f"loading {model}" + (f" and {draft}" if draft else ""))):
         target, tokenizer, drafter = mlx_dflash.load(model, draft, dtype=dtype)
     dtype_name = str(target.model.norm.weight.dtype).replace("mlx.core.", "")
     lines = [
-        f"target   {model} ({source}, {where})",
-        f"drafter  {draft if drafter is not None else 'none (plain decoding)'}",
+        escape(f"target   {model} ({source}, {where})"),
+        escape(f"drafter  {draft if drafter is not None else 'none (plain decoding)'}"),
         f"dtype    {dtype_name}" + (f", {quant}" if quant else ""),
         *notes,
     ]
@@ -173,7 +151,7 @@ class ChatUI:
             try:
                 self.reply(text)
             except DFlashError as e:
-                self.console.print(f"[red]{e}[/]", highlight=False)
+                self.console.print(f"[red]{escape(str(e))}[/]", highlight=False)
 
     # -- commands ------------------------------------------------------------------------
     def command(self, line: str) -> str | None:
@@ -197,18 +175,21 @@ class ChatUI:
             elif name == "/top-p":
                 s.top_p = _number(arg, float, "/top-p", 0.0, 1.0)
                 self.console.print(f"[dim]top-p {s.top_p}[/]")
+            elif name == "/top-k":
+                s.top_k = _number(arg, int, "/top-k", 0)
+                self.console.print(f"[dim]top-k {s.top_k}[/]")
+            elif name == "/min-p":
+                s.min_p = _number(arg, float, "/min-p", 0.0, 1.0)
+                self.console.print(f"[dim]min-p {s.min_p}[/]")
             elif name == "/max-tokens":
                 s.max_tokens = _number(arg, int, "/max-tokens", 1)
                 self.console.print(f"[dim]max tokens {s.max_tokens}[/]")
             elif name == "/block-size":
-                self.engine.set_block_size(_number(arg, int, "/block-size", 1))
+                self.engine.set_block_size(arg if arg == AUTO else _number(arg, int, "/block-size", 1))
                 self.console.print(f"[dim]block size {s.block_size}[/]")
             elif name == "/think":
                 s.think = _switch(arg, "/think")
                 self.console.print(f"[dim]thinking {'on' if s.think else 'off'}[/]")
-            elif name == "/adaptive":
-                s.adaptive = _switch(arg, "/adaptive")
-                self.console.print(f"[dim]adaptive drafting {'on' if s.adaptive else 'off (draft every cycle)'}[/]")
             elif name == "/color":
                 self.color = _switch(arg, "/color")
                 self.console.print(f"[dim]colours {'on' if self.color else 'off'}[/]")
@@ -217,9 +198,9 @@ class ChatUI:
             elif name == "/save":
                 self.save(arg)
             else:
-                self.console.print(f"[red]unknown command {name}: /help lists them[/]", highlight=False)
+                self.console.print(f"[red]unknown command {escape(name)}: /help lists them[/]", highlight=False)
         except DFlashError as e:
-            self.console.print(f"[red]{e}[/]", highlight=False)
+            self.console.print(f"[red]{escape(str(e))}[/]", highlight=False)
         return None
 
     def stats(self) -> None:
@@ -239,6 +220,15 @@ class ChatUI:
             if n and count:
                 table.add_row(str(n), str(count), "#" * max(1, round(30 * count / top)))
         self.console.print(table)
+        sizes = t.block_size_histogram
+        table = Table("block size", "cycles", "", box=None, pad_edge=False)
+        for size, count in sizes.items():
+            table.add_row(str(size) + (" (plain)" if size == 1 else ""), str(count),
+                          "#" * max(1, round(30 * count / max(sizes.values()))))
+        self.console.print(table)
+        if t.predicted_tps is not None:
+            self.console.print(f"cost model: predicted {t.predicted_tps:.1f} tok/s, measured {t.measured_tps:.1f} "
+                               "tok/s (decode)", highlight=False)
 
     def save(self, path: str) -> None:
         if not path:
@@ -252,7 +242,7 @@ class ChatUI:
             Path(path).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
             raise DFlashError(f"cannot write {path}: {e.strerror}") from None
-        self.console.print(f"[dim]saved {len(data['messages'])} messages to {path}[/]", highlight=False)
+        self.console.print(f"[dim]saved {len(data['messages'])} messages to {escape(path)}[/]", highlight=False)
 
     # -- a reply -------------------------------------------------------------------------
     def reply(self, text: str) -> None:
@@ -286,7 +276,7 @@ class ChatUI:
         self.console.print()
         st = result.stats
         tail = {"stop": "", "length": " · stopped at the token limit", "interrupted": " · interrupted"}
-        plain = f" ({st.plain_cycles} plain: drafting did not pay)" if st.plain_cycles else ""
+        plain = f" ({st.plain_cycles} plain steps)" if st.plain_cycles else ""
         self.console.print(
             f"[dim]{st.num_tokens} tokens · {st.generation_tps:.1f} tok/s · tau {st.tau:.2f} · "
             f"{st.cycles} cycles{plain} · prefill {result.new_tokens} new tokens ({result.reused_tokens} cached) "
@@ -368,12 +358,13 @@ def chat(
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy).")] = 0.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0, help="Nucleus sampling (0: off).")] = 0.0,
+    top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
+    min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens per reply.")] = 1024,
-    block_size: Annotated[int | None, typer.Option("--block-size", min=1, help="Tokens per draft block (default: the drafter's).")] = None,
+    block_size: Annotated[str, typer.Option("--block-size", help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine; the output is the same either way) or a fixed N (1: plain decoding).")] = DEFAULT_BLOCK_SIZE,
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,
-    adaptive: Annotated[bool, typer.Option("--adaptive/--always-draft", help="Draft only while drafting measures faster than plain target steps on this machine (the output is the same either way), or draft every cycle.")] = True,
 ) -> None:
     """Chat with a model in the terminal; each accepted draft block appears at once.
 
@@ -385,12 +376,10 @@ def chat(
     console = Console(no_color=no_color or None, highlight=False)
     target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
                                               quantize or q_bits is not None, q_bits or 4)
-    max_block = drafter.block_size if drafter is not None else 1
-    if block_size is not None and drafter is not None and block_size > max_block:
-        raise DFlashError(f"--block-size {block_size} exceeds the drafter's block size {max_block}")
-    settings = ChatSettings(temp=temp, top_p=top_p, max_tokens=max_tokens,
-                            block_size=block_size or max_block, system=system, adaptive=adaptive)
-    engine = ChatEngine(target, tokenizer, drafter, settings)
+    size = parse_block_size(block_size)
+    settings = ChatSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
+                            block_size=size, system=system)
+    engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration_for(target, drafter, size))
     for line in lines:
         console.print(line, highlight=False)
     legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("target", TARGET_STYLE)) if not no_color else ""

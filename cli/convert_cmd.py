@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from mlx_dflash.errors import DFlashError
@@ -77,4 +78,4 @@ def convert(
                 info = {"source": str(source), "revision": path.name}
             result = run_convert(path, out, opts, force=force, target=check_against, provenance=info,
                                  progress=_Bars(bars, label))
-            err_console.print(f"[green]wrote[/] {result.kind} to {result.path}", highlight=False)
+            err_console.print(f"[green]wrote[/] {result.kind} to {escape(str(result.path))}", highlight=False)

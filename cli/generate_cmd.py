@@ -6,10 +6,13 @@ import json
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app, err_console, fail
+from .calibrate_cmd import calibration_for
 
 JSON_SCHEMA_VERSION = 1
 
@@ -46,8 +49,8 @@ def prompt_ids(tokenizer, prompt: str | None, ids: str | None, chat: bool,
 
 @app.command()
 def generate(
-    model: Annotated[str, typer.Option("--model", "-m", help="Target: short name (Qwen3-8B), Hugging Face repo id, mlx-lm directory or .gguf file.")],
-    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory, repo id or short name.")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name (Qwen3-8B), Hugging Face repo id, mlx-lm directory or .gguf file (default: the embedded SmolLM2-135M-Instruct and its drafter, as in chat).")] = None,
+    draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory, repo id or short name (default: the short name's or the embedded default's).")] = None,
     prompt: Annotated[str | None, typer.Option("--prompt", "-p", help="Prompt text.")] = None,
     prompt_ids_: Annotated[str | None, typer.Option("--prompt-ids", help="Prompt as token ids, e.g. 1,2,3.")] = None,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap --prompt in the model's chat template.")] = False,
@@ -58,7 +61,7 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed (sampling is reproducible).")] = None,
-    block_size: Annotated[int | None, typer.Option("--block-size", min=2, help="Tokens per draft block (default: the drafter's).")] = None,
+    block_size: Annotated[str, typer.Option("--block-size", help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine) or a fixed N.")] = DEFAULT_BLOCK_SIZE,
     draft_window: Annotated[int | None, typer.Option("--draft-window", min=1, help="Drafter attends only the last N context tokens.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (baseline).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
@@ -66,19 +69,21 @@ def generate(
 ) -> None:
     """Generate a completion with DFlash (or the target alone with --no-draft)."""
     import mlx_dflash
+    from mlx_dflash.resolve import choose_pair
 
-    if no_draft:
-        draft = None
-    elif draft is None:
-        err_console.print("[yellow]no --draft given: decoding with the target alone[/]")
-    target, tokenizer, drafter = mlx_dflash.load(model, draft, dtype=dtype)
+    choice = choose_pair(model, draft, no_draft)
+    for warning in choice.warnings:
+        err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
+    target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
     ids = prompt_ids(tokenizer, prompt, prompt_ids_, chat, system)
+    size = parse_block_size(block_size)
+    calibration = calibration_for(target, drafter, size)
     tokens: list[int] = []
     event = None
     for event in mlx_dflash.stream_generate(
         target, tokenizer, ids, draft_model=drafter, max_tokens=max_tokens, temp=temp,
-        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, block_size=block_size,
-        draft_window=draft_window,
+        top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, block_size=size,
+        draft_window=draft_window, calibration=calibration,
     ):
         tokens.extend(event.tokens)
         if not as_json:
@@ -97,7 +102,9 @@ def generate(
             "prefill_tps": stats.prefill_tps,
             "generation_tps": stats.generation_tps,
             "peak_memory_gb": stats.peak_memory_gb,
-            "block_size": block_size or (drafter.block_size if drafter else 1),
+            "block_size": size if drafter else 1,
+            "block_size_histogram": {str(k): v for k, v in stats.block_size_histogram.items()},
+            "predicted_tps": stats.predicted_tps,
             "draft": drafter is not None,
         }))
         return
@@ -107,6 +114,17 @@ def generate(
         f"decode {stats.generation_tps:.1f} tok/s, tau {stats.tau:.2f}, "
         f"peak memory {stats.peak_memory_gb:.2f} GB[/]", highlight=False,
     )
+    if drafter is not None:
+        err_console.print(f"[dim]{block_size_summary(stats)}[/]", highlight=False)
+
+
+def block_size_summary(stats) -> str:
+    """'block sizes 1x40 16x3 (cycles per size), predicted 9.8 tok/s' for a status line."""
+    sizes = " ".join(f"{size}x{count}" for size, count in stats.block_size_histogram.items())
+    text = f"block sizes {sizes or '-'} (size x cycles)"
+    if stats.predicted_tps is not None:
+        text += f", cost model predicted {stats.predicted_tps:.1f} tok/s"
+    return text
 
 
 __all__ = ["generate", "fail"]

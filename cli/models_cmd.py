@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .app import app
 
@@ -19,16 +20,17 @@ def models() -> None:
         table.add_column(column, overflow="fold")
     for pair in KNOWN_PAIRS:
         cached = [role for role, repo in (("target", pair.target), ("drafter", pair.drafter)) if in_hub_cache(repo)]
-        table.add_row(pair.name, pair.target, pair.drafter, ", ".join(cached) or "-")
+        table.add_row(*(Text(cell) for cell in (pair.name, pair.target, pair.drafter, ", ".join(cached) or "-")))
     console.print(table)
     entries = cached_conversions()
     if not entries:
-        console.print(f"converted cache {converted_cache_dir()}: empty", highlight=False)
+        console.print(Text(f"converted cache {converted_cache_dir()}: empty"))
         return
-    cache = Table(title=f"Converted cache ({converted_cache_dir()})")
+    cache = Table(title=Text(f"Converted cache ({converted_cache_dir()})"))
     for column in ("kind", "source", "options", "size", "directory"):
         cache.add_column(column, overflow="fold")
     for e in entries:
         options = ", ".join(f"{k}={v}" for k, v in e["options"].items() if v not in (None, False)) or "as is"
-        cache.add_row(e["kind"], str(e["source"]), options, f"{e['bytes'] / 2**20:.1f} MiB", e["path"].name)
+        cache.add_row(*(Text(cell) for cell in (e["kind"], str(e["source"]), options, f"{e['bytes'] / 2**20:.1f} MiB",
+                                               e["path"].name)))
     console.print(cache)

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from mlx_dflash.errors import DFlashError
 
@@ -65,7 +66,7 @@ def train(
         regenerate=regenerate, regenerate_max_tokens=regenerate_max_tokens, regenerate_batch=regenerate_batch,
         init_from_target=init_from_target,
     )
-    err_console.print(f"loading {target} and the data ...", highlight=False)
+    err_console.print(escape(f"loading {target} and the data ..."), highlight=False)
     with Progress(TextColumn("[bold]regenerate"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=err_console, transient=False) as regen_progress:
         regen_task = None
@@ -95,9 +96,9 @@ def train(
             progress.update(task, completed=event.step, info=(
                 f"loss {event.loss:.3f}  acc[1..4] {shown}  lr {event.lr:.2e}  {event.tokens_per_s:.0f} tok/s"))
         elif event.kind == "eval":
-            progress.console.print(f"step {event.step}: tau {event.tau:.2f} ({event.message})", highlight=False)
+            progress.console.print(escape(f"step {event.step}: tau {event.tau:.2f} ({event.message})"), highlight=False)
         elif event.kind == "checkpoint":
-            progress.console.print(f"[dim]step {event.step}: checkpoint {event.path}[/]", highlight=False)
+            progress.console.print(f"[dim]step {event.step}: checkpoint {escape(str(event.path))}[/]", highlight=False)
 
     with progress:
         result = trainer.run(report)
@@ -107,7 +108,7 @@ def train(
         f"{result.status} at step {result.step} after {result.elapsed / 60:.1f} min{tau}{where}", highlight=False,
     )
     if result.status == "interrupted":
-        err_console.print(f"resume with: dflash-mlx train ... --out {out} --resume", highlight=False)
+        err_console.print(escape(f"resume with: dflash-mlx train ... --out {out} --resume"), highlight=False)
         raise typer.Exit(130)
 
 

@@ -2,56 +2,23 @@
 
 from __future__ import annotations
 
+import glob
 import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from .compat import TargetShape, check_compatible  # noqa: F401  (re-exported)
 from .drafter import DFlashDraftModel, ModelArgs
+from .dtypes import DTYPES, cast_floats, default_dtype  # noqa: F401  (re-exported)
 from .errors import DFlashError
-from .hub import is_repo_id, snapshot
-from .target import TargetModel
+from .resolve import resolve_path, target_source
+from .target import TargetModel, check_forward
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
-DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
-
-
-def resolve_path(path_or_repo: str | Path, allow_patterns: list[str] | None = None,
-                 revision: str | None = None) -> Path:
-    """A local directory as is; otherwise a Hub repo id through huggingface_hub's cache.
-
-    Offline (HF_HUB_OFFLINE=1) only the local cache is consulted.
-    """
-    path = Path(path_or_repo).expanduser()
-    if path.exists():
-        if not path.is_dir():
-            raise DFlashError(f"{path} is a file; expected a model directory")
-        return path
-    name = str(path_or_repo)
-    if not is_repo_id(name):
-        raise DFlashError(f"{name}: no such directory, and not a Hugging Face repo id (org/name)")
-    return snapshot(name, allow_patterns=allow_patterns, revision=revision)
-
-
-def default_dtype() -> mx.Dtype | None:
-    """float32 on the CPU (MLX's CPU half-precision matmuls are slow); the checkpoint's otherwise."""
-    if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()):
-        return None
-    return mx.float32
-
-
-def cast_floats(model: nn.Module, dtype: mx.Dtype | None) -> None:
-    """Cast floating-point parameters (not packed quantized weights) to `dtype`."""
-    if dtype is None:
-        return
-    model.update(tree_map(
-        lambda p: p.astype(dtype) if mx.issubdtype(p.dtype, mx.floating) else p,
-        model.parameters(),
-    ))
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -124,12 +91,7 @@ def load_drafter(
     config = _read_json(path / "config.json")
     model = build_drafter(config, str(path), target.num_layers if target is not None else None)
     weights = model.sanitize(read_safetensors(path))
-    if model.args.quantization:
-        q = model.args.quantization
-        nn.quantize(
-            model, group_size=q["group_size"], bits=q["bits"],
-            class_predicate=lambda p, m: hasattr(m, "to_quantized") and f"{p}.scales" in weights,
-        )
+    model.quantize_packed(weights)
     load_checked(model, weights, str(path))
     cast_floats(model, dtype)
     model.eval()
@@ -144,12 +106,13 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
     """An mlx-lm model and tokenizer, cast to `dtype` (float32 on the CPU by default)."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    from .resolve import target_source
-
     # Short names, .gguf files and PyTorch-only checkpoints go through the converted cache.
     path = resolve_path(path_or_repo, None, revision) if revision else target_source(path_or_repo)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: missing config.json")
+    if glob.has_magic(str(path)):
+        raise DFlashError(f"{path}: mlx-lm finds weight files with glob, which reads [ ] * ? in this path as "
+                          "patterns; move or link the model to a path without them")
     from mlx_dflash.convert.config import rope_overrides
 
     try:
@@ -160,6 +123,7 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
         raise DFlashError(f"{path}: cannot load target ({' '.join(str(e).split())})") from e
     TargetModel(model)  # fails early, naming the supported families
     cast_floats(model, dtype)
+    check_forward(TargetModel(model))  # refuses an mlx-lm whose internals drifted from families.py
     return model, tokenizer
 
 

