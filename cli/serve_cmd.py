@@ -64,7 +64,7 @@ def serve(
 
     size = parse_block_size(block_size)
     _check_port(host, port)
-    console = Console(stderr=True, highlight=False)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
     target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
                                               quantize or q_bits is not None, q_bits or 4)
     engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes))
@@ -81,4 +81,8 @@ def serve(
         f"Anthropic messages{', API key required' if api_key else ''}; Ctrl-C stops"))
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+    console.print("server stopped")

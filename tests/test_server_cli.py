@@ -1,0 +1,52 @@
+"""The real `dflash-mlx serve` process: startup line, a request over curl, Ctrl-C shuts it down cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from serverkit import free_port
+from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
+
+CLI = [sys.executable, "-c", "from mlx_dflash.cli.main import main; main()"]  # what the dflash-mlx script runs
+
+
+@pytest.mark.cli
+def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
+    model = tiny_target("qwen3", seed=0)
+    target = save_target(model, "qwen3", tmp_path / "target")
+    drafter = save_drafter(tiny_drafter(model, block_size=8), drafter_config(model, block_size=8), tmp_path / "draft")
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HOME=str(tmp_path))
+    proc = subprocess.Popen([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--port", str(port),
+                             "--api-key", "k"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):  # model loading and imports: up to a minute on a busy machine
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+            assert proc.poll() is None, proc.stderr.read()
+        body = json.dumps({"model": str(target), "prompt": "hello", "max_tokens": 5})
+        out = subprocess.run(["curl", "-s", "--max-time", "60", url + "/v1/completions",
+                              "-H", "Authorization: Bearer k", "-H", "Content-Type: application/json", "-d", body],
+                             capture_output=True, text=True, timeout=90).stdout
+        assert json.loads(out)["usage"]["completion_tokens"] >= 1
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == 0, err
+    serving = [line for line in err.splitlines() if line.startswith("serving")]
+    assert len(serving) == 1 and f"127.0.0.1:{port}" in serving[0] and "API key required" in serving[0]
+    assert "Traceback" not in err
