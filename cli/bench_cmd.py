@@ -14,8 +14,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import AUTO
 
 from .app import app, err_console
+from .calibrate_cmd import calibration_for
 
 
 def parse_contexts(text: str | None) -> list[int | None]:
@@ -36,15 +38,23 @@ def parse_contexts(text: str | None) -> list[int | None]:
     return out or [None]
 
 
-def parse_block_sizes(values: list[str] | None) -> list[int]:
-    sizes = []
+def parse_block_sizes(values: list[str] | None) -> list[int | str]:
+    """'auto,16,8' -> ['auto', 16, 8] (repeatable, comma-separated; 1 is a plain step every cycle)."""
+    sizes: list[int | str] = []
     for v in values or []:
         for part in v.replace(" ", "").split(","):
             if part:
-                if not part.isdigit() or int(part) < 2:
-                    raise DFlashError(f"--block-size must be an integer >= 2, got {part!r}")
-                sizes.append(int(part))
+                if part.lower() != AUTO and (not part.isdigit() or int(part) < 1):
+                    raise DFlashError(f"--block-size takes auto or integers >= 1, got {part!r}")
+                sizes.append(AUTO if part.lower() == AUTO else int(part))
     return list(dict.fromkeys(sizes))
+
+
+def parse_rates(text: str | None) -> list[float]:
+    try:
+        return [float(x) for x in (text or "").replace(" ", "").split(",") if x]
+    except ValueError:
+        raise DFlashError(f"--oracle-q takes rates like 0.05,0.2,0.5; got {text!r}") from None
 
 
 def _cell(spread: dict | None, fmt: str, suffix: str = "") -> str:
@@ -57,11 +67,13 @@ def _cell(spread: dict | None, fmt: str, suffix: str = "") -> str:
 
 
 def results_table(rows: list[dict]) -> Table:
+    from mlx_dflash.bench.report import cycle_text, sizes_text
+
     table = Table(title="dflash-mlx bench (median over repeats, range in brackets)", header_style="bold")
     for name, justify in [("dataset", "left"), ("ctx", "right"), ("mode", "left"), ("tau", "right"),
                           ("decode tok/s", "right"), ("speedup", "right"), ("vs target", "right"),
-                          ("TTFT s", "right"), ("peak GB", "right"), ("draft/verify/other ms", "right"),
-                          ("ok", "center")]:
+                          ("TTFT s", "right"), ("peak GB", "right"), ("ms/cycle", "right"),
+                          ("block sizes", "left"), ("pred tok/s", "right"), ("ok", "center")]:
         table.add_column(name, justify=justify, no_wrap=name in ("dataset", "mode", "ok"))
     for r in rows:
         cyc = r["cycle_ms"]
@@ -69,8 +81,9 @@ def results_table(rows: list[dict]) -> Table:
             r["dataset"], str(r["context"] or "-"), r["mode"], f"{r['tau']:.2f}" if r["tau"] is not None else "-",
             _cell(r["decode_tps"], ".1f"), _cell(r["speedup"], ".2f", "x") if r["mode"] != "mlx-lm" else "-",
             _cell(r["speedup_vs_target"], ".2f", "x") if r["mode"] not in ("mlx-lm", "target") else "-",
-            _cell(r["ttft_s"], ".3f"), f"{r['peak_memory_gb']:.2f}",
-            "/".join(f"{cyc[k]:.1f}" for k in ("draft", "verify", "overhead")) if cyc else "-",
+            _cell(r["ttft_s"], ".3f"), f"{r['peak_memory_gb']:.2f}", cycle_text(cyc),
+            sizes_text(r["block_size_histogram"]),
+            f"{r['predicted_tps']:.1f}" if r["predicted_tps"] is not None else "-",
             "[green]yes[/]" if not r["mismatches"] else f"[bold red]{r['mismatches']} differ[/]",
         )
     return table
@@ -84,7 +97,9 @@ def bench(
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Directory with local copies of the datasets (default: download from the Hub).")] = None,
     limit: Annotated[int, typer.Option("--limit", min=0, help="First N prompts of each dataset (0: all).")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per turn.")] = 256,
-    block_size: Annotated[list[str] | None, typer.Option("--block-size", help="Draft block size(s): repeat or comma-separate (default: the drafter's).")] = None,
+    block_size: Annotated[list[str] | None, typer.Option("--block-size", help="Block size(s) to compare: auto and/or N, repeat or comma-separate, e.g. auto,16,8,4,1 (default: auto).")] = None,
+    oracle_q: Annotated[str | None, typer.Option("--oracle-q", help="Benchmark-only proposers of known quality: the target's own greedy continuation with each drafted token corrupted at rate q, e.g. 0.05,0.2,0.5 (greedy only; each at every --block-size).")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="Split each cycle into draft/verify/other time (one extra host sync per cycle: not the loop users run).")] = False,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy, outputs checked identical).")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (each mode starts from it).")] = 0,
     think: Annotated[bool | None, typer.Option("--think/--no-think", help="Thinking on/off where the chat template has it (default: the template's).")] = None,
@@ -104,6 +119,8 @@ def bench(
         load_prompts,
         run_bench,
     )
+    from mlx_dflash.bench.proposers import CorruptedGreedyFactory, check_oracle_rates
+    from mlx_dflash.drafter import DEFAULT_BLOCK_SIZE as DEFAULT_DRAFT_BLOCK
     from mlx_dflash.resolve import choose_pair
 
     if report is not None:
@@ -112,15 +129,26 @@ def bench(
         _pyplot()  # fail before the long run, not after it
     contexts = parse_contexts(context)
     sizes = parse_block_sizes(block_size)
+    rates = parse_rates(oracle_q)
+    check_oracle_rates(rates, temp)
     names = dataset or ["gsm8k"]
     prompts = [p for name in names for p in load_prompts(name, data_dir, limit=limit or None)]
     choice = choose_pair(model, draft)
     target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
-    if sizes and drafter is None:
-        raise DFlashError("--block-size needs a --draft")
+    if sizes and drafter is None and not rates:
+        raise DFlashError("--block-size needs a --draft (or --oracle-q)")
+    sizes = sizes or [AUTO]
+    calibration = calibration_for(target, drafter, AUTO) if AUTO in sizes else None
     engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
     if drafter is not None:
-        engines += [DFlashEngine(target, tokenizer, drafter, b) for b in (sizes or [drafter.block_size])]
+        engines += [DFlashEngine(target, tokenizer, drafter, b, calibration=calibration, profile=profile)
+                    for b in sizes]
+    for q in rates:  # clearly labelled: "oracle-q..." modes are not a drafter
+        widest = drafter.block_size if drafter is not None else DEFAULT_DRAFT_BLOCK
+        oracle = CorruptedGreedyFactory(target, tokenizer, q, widest)
+        engines += [DFlashEngine(target, tokenizer, oracle, min(b, widest) if b != AUTO else b,
+                                 f"oracle-q{q:g}-{b if b == AUTO else f'b{b}'}", calibration=calibration,
+                                 profile=profile) for b in sizes]
     config = BenchConfig(max_tokens=max_tokens, temp=temp, seed=seed, repeats=repeats, think=think,
                          contexts=contexts)
     total = sum(len(p.turns) for p in prompts) * repeats * len(contexts)
@@ -134,14 +162,15 @@ def bench(
         result = run_bench(engines, tokenizer, prompts, config, step)
     settings = {
         "model": model or choice.target, "draft": choice.draft, "datasets": names, "data_dir": str(data_dir) if data_dir else None,
-        "limit": limit, "max_tokens": max_tokens, "block_sizes": [e.block_size for e in engines if e.block_size],
+        "limit": limit, "max_tokens": max_tokens, "block_sizes": sizes, "oracle_q": rates, "profile": profile,
         "temp": temp, "seed": seed, "think": think, "repeats": repeats,
         "contexts": [c for c in contexts if c], "dtype": dtype, "modes": [e.name for e in engines],
     }
     command = "dflash-mlx bench " + shlex.join(
         [*(["--model", model] if model else []), *(["--draft", draft] if draft else []), *(a for n in names for a in ("--dataset", n)),
          *(["--data-dir", str(data_dir)] if data_dir else []), "--limit", str(limit),
-         "--max-tokens", str(max_tokens), *(a for b in sizes for a in ("--block-size", str(b))),
+         "--max-tokens", str(max_tokens), "--block-size", ",".join(map(str, sizes)),
+         *(["--oracle-q", ",".join(f"{q:g}" for q in rates)] if rates else []), *(["--profile"] if profile else []),
          "--temp", str(temp), "--seed", str(seed), "--repeats", str(repeats),
          *(["--think" if think else "--no-think"] if think is not None else []),
          *(["--context", context] if context else [])]

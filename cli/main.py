@@ -11,6 +11,7 @@ from .app import app, err_console, fail
 
 def _register() -> None:
     from . import bench_cmd, chat_cmd, convert_cmd, generate_cmd, models_cmd, serve_cmd, train_cmd  # noqa: F401
+    from . import calibrate_cmd as calibrate_cmd  # noqa: F401
 
 
 def main() -> None:

@@ -10,8 +10,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+import platform
 import sys
 import warnings
+from pathlib import Path
 
 OPT_OUT_ENV = "MLX_DFLASH_NO_OPENBLAS"
 _CANDIDATES = ("libopenblas.so.0", "libopenblas.so")
@@ -51,3 +53,27 @@ def setup() -> None:
             RuntimeWarning,
             stacklevel=2,
         )
+
+
+def machine() -> str:
+    """The CPU (or Apple chip) and OS, as people name them."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if platform.system() == "Darwin":
+        import subprocess
+
+        try:
+            name = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or name
+        except (OSError, subprocess.SubprocessError):
+            pass
+    import mlx.core as mx
+
+    device = "GPU" if mx.metal.is_available() or (hasattr(mx, "cuda") and mx.cuda.is_available()) else "CPU"
+    return f"{name}, {platform.system()} {platform.machine()}, MLX {mx.__version__} on the {device}"

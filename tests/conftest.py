@@ -10,11 +10,14 @@ import mlx_dflash  # noqa: F401
 
 import functools
 import os
+import tempfile
 
 import pytest
 
 # Tests must never reach the network, whatever a saved model path looks like.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `--block-size auto` calibrations of tiny test models stay out of the user's cache.
+os.environ.setdefault("MLX_DFLASH_CALIBRATION_DIR", tempfile.mkdtemp(prefix="mlx-dflash-calibration-"))
 
 from tiny import EOS_ID, VOCAB, FakeTokenizer, tiny_drafter, tiny_target  # noqa: E402,F401
 

@@ -67,7 +67,7 @@ def test_context_sweep(pair, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["config"]["contexts"] == [256, 1024]
     sizes = {(r["context"], r["mode"]): r["prompt_tokens"] for r in doc["records"]}
-    assert abs(sizes[(1024, "dflash-b8")] - 1024) <= 8 and abs(sizes[(256, "mlx-lm")] - 256) <= 8
+    assert abs(sizes[(1024, "dflash-auto")] - 1024) <= 8 and abs(sizes[(256, "mlx-lm")] - 256) <= 8
     assert (report / "context.png").exists() and "(context.png)" in (report / "README.md").read_text()
 
 
@@ -108,6 +108,32 @@ def test_bad_input_is_one_clear_error(pair, tmp_path):
     with pytest.raises(DFlashError, match="--context"):
         parse_contexts("1k,lots")
     with pytest.raises(DFlashError, match="--block-size"):
-        parse_block_sizes(["8,1"])
+        parse_block_sizes(["8,0"])
+    assert parse_block_sizes(["auto,16", "1", "AUTO"]) == ["auto", 16, 1]
     assert parse_contexts("1k, 4k,512") == [1024, 4096, 512] and parse_contexts(None) == [None]
     assert parse_block_sizes(["4,8", "16", "8"]) == [4, 8, 16]
+
+
+@needs_data
+def test_auto_fixed_and_oracle_modes(pair, tmp_path):
+    """`--block-size auto,8,1` with benchmark-only oracle proposers: every output identical,
+    block-size histograms and the cost model's prediction reported, no profiling by default."""
+    target, draft = pair
+    out = tmp_path / "auto.json"
+    result = CliRunner().invoke(app, [
+        "bench", "--model", str(target), "--draft", str(draft), "--dataset", "gsm8k", "--data-dir", str(DATA),
+        "--limit", "1", "--max-tokens", "12", "--block-size", "auto,8,1", "--oracle-q", "0,0.5", "--json", str(out),
+    ])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert doc["ok"] and doc["config"]["block_sizes"] == ["auto", 8, 1] and doc["config"]["oracle_q"] == [0, 0.5]
+    modes = doc["config"]["modes"]
+    assert modes == ["mlx-lm", "target", "dflash-auto", "dflash-b8", "dflash-b1", "oracle-q0-auto", "oracle-q0-b8",
+                     "oracle-q0-b1", "oracle-q0.5-auto", "oracle-q0.5-b8", "oracle-q0.5-b1"]
+    rows = {r["mode"]: r for r in doc["summary"]}
+    assert rows["dflash-b1"]["block_size_histogram"] == {"1": rows["dflash-b1"]["cycles"]}
+    assert set(rows["dflash-b8"]["block_size_histogram"]) <= {str(n) for n in range(1, 9)}
+    assert rows["dflash-auto"]["predicted_tps"] > 0 and rows["dflash-b8"]["predicted_tps"] is None
+    assert set(rows["dflash-auto"]["cycle_ms"]) == {"total"}  # the production loop: no profiling syncs
+    assert rows["oracle-q0-b8"]["tau"] > 2  # a perfect oracle fills its blocks
+    assert "--oracle-q 0,0.5" in doc["command"]

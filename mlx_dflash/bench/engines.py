@@ -1,12 +1,15 @@
 """The decoding modes a benchmark compares, behind one small interface.
 
 `MlxLmEngine` is mlx-lm's own `stream_generate` (the baseline people know);
-`DFlashEngine` is ours, with a drafter (DFlash) or without one (the engine's overhead).
+`DFlashEngine` is ours, with a drafter (DFlash) or without one (the engine's overhead),
+at a fixed block size or `auto`. It times the loop users run; `profile=True` adds a
+host sync per cycle to split draft and verify time (a separate, opt-in measurement).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -16,6 +19,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from ..drafter import DFlashDraftModel
 from ..generate import stream_generate
+from ..policy import AUTO
 
 
 @dataclass
@@ -31,11 +35,14 @@ class Run:
     acceptance_lengths: list[int] = field(default_factory=list)  # DFlash: a + 1 per cycle
     draft_s: float = 0.0
     verify_s: float = 0.0
+    block_sizes: list[int] = field(default_factory=list)  # each cycle's block size
+    predicted_tokens: float = 0.0  # `auto`: the cost model's expectation over its cycles
+    predicted_seconds: float = 0.0
 
 
 class Engine(Protocol):
     name: str
-    block_size: int | None
+    block_size: int | str | None
 
     def run(self, prompt_ids: list[int], *, max_tokens: int, temp: float, seed: int | None) -> Run: ...
 
@@ -72,22 +79,33 @@ class MlxLmEngine:
 
 
 class DFlashEngine:
-    """Our `stream_generate`: DFlash with a drafter, the target alone without one."""
+    """Our `stream_generate`: DFlash with a drafter, the target alone without one.
 
-    def __init__(self, model: nn.Module, tokenizer: Any, drafter: DFlashDraftModel | Any | None,
-                 block_size: int | None = None, name: str | None = None):
+    `drafter` may also be a factory `(prompt_ids, max_tokens) -> proposer`, called per run
+    (the benchmark-only proposers of `bench.proposers`).
+    """
+
+    def __init__(self, model: nn.Module, tokenizer: Any, drafter: DFlashDraftModel | Callable | Any | None,
+                 block_size: int | str | None = None, name: str | None = None, *, calibration: Any = None,
+                 profile: bool = False):
         self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.block_size = (block_size or getattr(drafter, "block_size", 16)) if drafter is not None else None
-        self.name = name or (f"dflash-b{self.block_size}" if drafter is not None else "target")
+        self.block_size = (block_size or AUTO) if drafter is not None else None
+        label = self.block_size if self.block_size == AUTO else f"b{self.block_size}"
+        self.name = name or (f"dflash-{label}" if drafter is not None else "target")
+        self.calibration, self.profile = calibration, profile
 
     def run(self, prompt_ids: list[int], *, max_tokens: int, temp: float, seed: int | None) -> Run:
+        drafter = self.drafter
+        if callable(drafter) and not isinstance(drafter, nn.Module):
+            drafter = drafter(prompt_ids, max_tokens)
         mx.reset_peak_memory()
         tokens: list[int] = []
         event, first = None, None
         start = time.perf_counter()
         for event in stream_generate(
-            self.model, self.tokenizer, prompt_ids, draft_model=self.drafter, max_tokens=max_tokens,
-            temp=temp, seed=seed, block_size=self.block_size, profile=self.drafter is not None,
+            self.model, self.tokenizer, prompt_ids, draft_model=drafter, max_tokens=max_tokens,
+            temp=temp, seed=seed, block_size=self.block_size, profile=self.profile and drafter is not None,
+            calibration=self.calibration,
         ):
             if first is None:
                 first = time.perf_counter()
@@ -101,4 +119,6 @@ class DFlashEngine:
             event.finish_reason if event is not None else None,
             list(stats.acceptance_lengths) if stats is not None and self.drafter is not None else [],
             timings.get("draft", 0.0), timings.get("verify", 0.0),
+            list(stats.block_sizes) if stats is not None and self.drafter is not None else [],
+            stats.predicted_tokens if stats is not None else 0.0, stats.predicted_seconds if stats is not None else 0.0,
         )

@@ -25,9 +25,25 @@ def _fmt(x: float | None, digits: int = 2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def cycle_text(cyc: dict[str, float] | None) -> str:
+    """'212.0' ms per cycle, or '212.0 (50.1/150.2/11.7)' with the --profile split."""
+    if not cyc:
+        return "-"
+    text = f"{cyc['total']:.1f}"
+    if "draft" in cyc:
+        text += " (" + "/".join(f"{cyc[k]:.1f}" for k in ("draft", "verify", "overhead")) + ")"
+    return text
+
+
+def sizes_text(histogram: dict[int, int]) -> str:
+    """'1:40 16:3' (block size: cycles), the most used first."""
+    return " ".join(f"{k}:{v}" for k, v in sorted(histogram.items(), key=lambda kv: -kv[1])) or "-"
+
+
 def _table(rows: list[dict[str, Any]]) -> list[str]:
     head = ("| dataset | context | mode | tau | decode tok/s (median, min-max) | speedup vs mlx-lm | "
-            "TTFT s | peak GB | draft/verify/other ms per cycle | mismatches |")
+            "TTFT s | peak GB | ms per cycle (draft/verify/other) | block sizes (size:cycles) | "
+            "predicted tok/s | mismatches |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         tps, sp, cyc = r["decode_tps"], r["speedup"], r["cycle_ms"]
@@ -35,9 +51,8 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             f"| {r['dataset']} | {r['context'] or '-'} | {r['mode']} | {_fmt(r['tau'])} | "
             f"{tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | "
             f"{_fmt(sp['median']) + 'x' if sp else '-'} | {r['ttft_s']['median']:.3f} | "
-            f"{r['peak_memory_gb']:.2f} | "
-            f"{'/'.join(f'{cyc[k]:.1f}' for k in ('draft', 'verify', 'overhead')) if cyc else '-'} | "
-            f"{r['mismatches']} |"
+            f"{r['peak_memory_gb']:.2f} | {cycle_text(cyc)} | {sizes_text(r['block_size_histogram'])} | "
+            f"{_fmt(r['predicted_tps'], 1)} | {r['mismatches']} |"
         )
     return lines
 

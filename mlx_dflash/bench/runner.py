@@ -7,6 +7,7 @@ every mode must produce the baseline's exact tokens: a mismatch is a failure.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ class Record:
     context: int | None
     repeat: int
     mode: str
-    block_size: int | None
+    block_size: int | str | None  # "auto": chosen each cycle
     prompt_tokens: int
     generated_tokens: int
     ttft_s: float
@@ -51,6 +52,9 @@ class Record:
     verify_s: float
     match: bool | None  # greedy: same tokens as the baseline; None when sampling
     first_mismatch: int | None  # index of the first differing token
+    block_size_histogram: dict[int, int] = field(default_factory=dict)  # cycles per block size
+    predicted_tokens: float = 0.0  # `auto`: the cost model's expectation, summed over its cycles
+    predicted_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -103,6 +107,7 @@ def _record(prompt: Prompt, turn: int, context: int | None, repeat: int, engine:
         prompt.dataset, prompt.id, turn, context, repeat, engine.name, engine.block_size, run.prompt_tokens,
         len(run.tokens), run.ttft_s, run.decode_s, decoded / run.decode_s if run.decode_s > 0 else 0.0,
         run.peak_memory_gb, run.finish_reason, run.acceptance_lengths, run.draft_s, run.verify_s, match, mismatch,
+        dict(sorted(Counter(run.block_sizes).items())), run.predicted_tokens, run.predicted_seconds,
     )
 
 

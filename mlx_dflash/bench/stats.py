@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
 
-from ..generate import acceptance_histogram
+from ..generate import acceptance_histogram, mean_acceptance
 from .runner import Record
 
 ALL = "all"
@@ -58,6 +58,10 @@ def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str =
         cycles = len(lengths)
         draft, verify = sum(r.draft_s for r in recs), sum(r.verify_s for r in recs)
         decode = sum(r.decode_s for r in recs)
+        sizes: Counter[int] = Counter()
+        for r in recs:
+            sizes.update({int(k): v for k, v in r.block_size_histogram.items()})
+        predicted_s = sum(r.predicted_seconds for r in recs)
         base = _by_repeat(groups.get((dataset, context, baseline), []))
         alone = _by_repeat(groups.get((dataset, context, target), []))
         rows.append({
@@ -74,16 +78,19 @@ def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str =
             "speedup": spread(_ratio(per_repeat, base)) if base else None,
             "speedup_vs_target": spread(_ratio(per_repeat, alone)) if alone else None,
             "peak_memory_gb": max(r.peak_memory_gb for r in recs),
-            "tau": sum(lengths) / cycles if cycles else None,
+            "tau": mean_acceptance(lengths) if cycles else None,
             "cycles": cycles,
             "acceptance_histogram": acceptance_histogram(lengths) if cycles else [],
-            # Per verify cycle: drafting, the target's verify pass, and everything else (sampling,
-            # acceptance, cache bookkeeping, detokenizing).
+            # Per verify cycle: all of it; with --profile also drafting, the target's verify pass,
+            # and everything else (sampling, acceptance, cache bookkeeping, detokenizing).
             "cycle_ms": {
-                "draft": 1e3 * draft / cycles,
-                "verify": 1e3 * verify / cycles,
-                "overhead": 1e3 * max(decode - draft - verify, 0.0) / cycles,
+                "total": 1e3 * decode / cycles,
+                **({"draft": 1e3 * draft / cycles, "verify": 1e3 * verify / cycles,
+                    "overhead": 1e3 * max(decode - draft - verify, 0.0) / cycles} if draft + verify > 0 else {}),
             } if cycles else None,
+            "block_size_histogram": dict(sorted(sizes.items())),
+            # `auto`: tokens per second its cost model expected, against decode_tps measured.
+            "predicted_tps": sum(r.predicted_tokens for r in recs) / predicted_s if predicted_s > 0 else None,
             "mismatches": sum(r.match is False for r in recs),
         })
     order = {d: i for i, d in enumerate([*datasets, ALL])}

@@ -1,0 +1,189 @@
+"""Calibration for `--block-size auto`: what a cycle of each block size costs on this machine.
+
+A short probe runs real cycles of every candidate size (drafting, verifying, committing
+one token, exactly as decoding does) at a short and a longer context, and fits
+seconds = a + b * context per size. The result seeds the policy's cost model, so that
+its first cycles are already right; decoding then keeps correcting it.
+
+Costs depend on the machine, the model's shapes, its dtype and quantization, and the
+drafter's shapes, not on the weights' values: the cache key is made of exactly those.
+Results are cached as JSON under `$MLX_DFLASH_CACHE/calibration/` (default
+`~/.cache/mlx-dflash`; `$MLX_DFLASH_CALIBRATION_DIR` overrides the folder). A file
+that cannot be read or was made for something else is ignored, and the reason is
+returned for the caller to show.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.sample_utils import make_sampler
+
+from ._platform import machine
+from .drafter import DFlashDraftModel
+from .policy import candidate_sizes
+from .session import DecodingSession
+from .speculative import DFlashProposer
+from .target import TargetModel, as_target
+
+VERSION = 1
+DIR_ENV = "MLX_DFLASH_CALIBRATION_DIR"  # where calibrations are kept (tests point it elsewhere)
+CONTEXTS = (64, 1024)  # token counts the costs are measured at (fit: linear in between)
+REPEATS = 3  # timed cycles per size and context (the median is kept)
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Calibration:
+    key: dict[str, Any]
+    costs: dict[int, tuple[float, float]]  # block size -> (seconds at context 0, seconds per context token)
+    seconds: float = 0.0  # how long the probe took
+
+    def to_json(self) -> dict[str, Any]:
+        return {"version": VERSION, "key": self.key, "seconds": self.seconds,
+                "costs": {str(size): list(ab) for size, ab in self.costs.items()}}
+
+
+def _quantization(model: nn.Module) -> str:
+    bits = sorted({(m.bits, m.group_size) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)})
+    return ",".join(f"q{b}g{g}" for b, g in bits) or "none"
+
+
+def calibration_key(target: TargetModel, drafter: DFlashDraftModel) -> dict[str, Any]:
+    """What a cycle's cost depends on: the machine and both models' shapes, dtype, quantization."""
+    args = target.args
+    return {
+        "machine": machine(),
+        "target": {
+            "model_type": target.model_type, "layers": target.num_layers, "hidden": target.hidden_size,
+            "vocab": target.vocab_size, "heads": getattr(args, "num_attention_heads", None),
+            "kv_heads": getattr(args, "num_key_value_heads", None),
+            "intermediate": getattr(args, "intermediate_size", None),
+            "dtype": str(target.dtype), "quantization": _quantization(target.model),
+        },
+        "drafter": {
+            "layers": drafter.args.num_hidden_layers, "hidden": drafter.args.hidden_size,
+            "block_size": drafter.block_size, "target_layer_ids": list(drafter.target_layer_ids),
+            "dtype": str(drafter.norm.weight.dtype), "quantization": _quantization(drafter),
+        },
+    }
+
+
+def cache_file(key: dict[str, Any]) -> Path:
+    from .resolve import converted_cache_dir
+
+    folder = os.environ.get(DIR_ENV) or converted_cache_dir().parent / "calibration"
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return Path(folder).expanduser() / f"{key['target']['model_type']}-{digest}.json"
+
+
+def load_calibration(key: dict[str, Any]) -> tuple[Calibration | None, str | None]:
+    """The cached calibration for `key`, or None with the reason when a file exists but is unusable."""
+    path = cache_file(key)
+    if not path.is_file():
+        return None, None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") != VERSION or data.get("key") != key:
+            return None, f"ignoring the stale calibration {path} (made by another version or for another setup)"
+        costs = {int(size): (float(a), float(b)) for size, (a, b) in data["costs"].items()}
+        if not costs or any(a <= 0 or b < 0 for a, b in costs.values()):
+            raise ValueError("non-positive costs")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        return None, f"ignoring the unreadable calibration {path} ({e})"
+    return Calibration(key, costs, float(data.get("seconds", 0.0))), None
+
+
+def save_calibration(calibration: Calibration) -> Path:
+    path = cache_file(calibration.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
+    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    return path
+
+
+def measure(
+    model: nn.Module | TargetModel,
+    drafter: DFlashDraftModel,
+    *,
+    contexts: tuple[int, ...] = CONTEXTS,
+    repeats: int = REPEATS,
+    progress: Progress | None = None,
+) -> Calibration:
+    """Time real decoding cycles of every candidate block size at each context length."""
+    target = as_target(model)
+    sizes = candidate_sizes(drafter.block_size)
+    limit = getattr(target.args, "max_position_embeddings", None) or 2 * max(contexts)
+    contexts = tuple(sorted({min(c, max(limit // 2, 8)) for c in contexts}))  # room for the cycles
+    sampler = make_sampler(0.0)
+    total, done = len(contexts) * len(sizes) * (repeats + 1), 0
+    started = time.perf_counter()
+    samples: dict[int, list[tuple[int, float]]] = {size: [] for size in sizes}
+    for context in contexts:
+        # Any token ids do: costs do not depend on what the text says.
+        session = DecodingSession(target, DFlashProposer(drafter, target, max_block_size=drafter.block_size))
+        session.extend([(7 * i + 11) % target.vocab_size for i in range(context)], sampler)
+        for rep in range(repeats + 1):  # the first pass warms up (allocation, kernel setup)
+            times = []
+            for size in sizes:
+                session.prepare(size)
+                start = time.perf_counter()
+                verified = session.step(sampler, size)
+                session.keep(verified, 1)
+                times.append(time.perf_counter() - start)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            if rep:
+                for size, seconds in zip(sizes, times, strict=True):
+                    samples[size].append((context, seconds))
+    costs = {}
+    lo, hi = contexts[0], contexts[-1]
+    for size, points in samples.items():
+        t_lo, t_hi = _median_at(points, lo), _median_at(points, hi)
+        slope = max((t_hi - t_lo) / (hi - lo), 0.0) if hi > lo else 0.0
+        costs[size] = (max(t_lo - slope * lo, 1e-6), slope)
+    mx.clear_cache()
+    return Calibration(calibration_key(target, drafter), costs, time.perf_counter() - started)
+
+
+def _median_at(points: list[tuple[int, float]], context: int) -> float:
+    return statistics.median(s for c, s in points if c == context)
+
+
+def calibrate(
+    model: nn.Module | TargetModel,
+    drafter: DFlashDraftModel | None,
+    *,
+    refresh: bool = False,
+    progress: Progress | None = None,
+) -> tuple[Calibration | None, str | None]:
+    """The cached calibration, or a fresh one (measured and saved) when there is none or
+    `refresh`; returns it and a warning for the caller to show (None when all went well)."""
+    if drafter is None:
+        return None, None
+    target = as_target(model)
+    key = calibration_key(target, drafter)
+    warning = None
+    if not refresh:
+        cached, warning = load_calibration(key)
+        if cached is not None:
+            return cached, None
+    calibration = measure(target, drafter, progress=progress)
+    try:
+        save_calibration(calibration)
+    except OSError as e:
+        warning = f"could not save the calibration ({e.strerror or e}); it will be measured again next time"
+    return calibration, warning
