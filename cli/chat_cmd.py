@@ -276,7 +276,7 @@ class ChatUI:
         self.console.print()
         st = result.stats
         tail = {"stop": "", "length": " · stopped at the token limit", "interrupted": " · interrupted"}
-        plain = f" ({st.plain_cycles} plain steps)" if st.plain_cycles else ""
+        plain = f" ({st.plain_cycles} plain step{'s' * (st.plain_cycles > 1)})" if st.plain_cycles else ""
         self.console.print(
             f"[dim]{st.num_tokens} tokens · {st.generation_tps:.1f} tok/s · tau {st.tau:.2f} · "
             f"{st.cycles} cycles{plain} · prefill {result.new_tokens} new tokens ({result.reused_tokens} cached) "

@@ -26,7 +26,7 @@ _register()
 CLI = [sys.executable, "-c", "from mlx_dflash.cli.main import main; main()"]  # what the dflash-mlx script runs
 ANSI = re.compile(r"\x1b\[[0-9;?]*[a-zA-Z]|\x1b\][^\x07]*\x07|\r")
 SUMMARY = re.compile(
-    r"(\d+) tokens · [\d.]+ tok/s · tau [\d.]+ · \d+ cycles(?: \(\d+ plain: drafting did not pay\))? · "
+    r"(\d+) tokens · [\d.]+ tok/s · tau [\d.]+ · \d+ cycles(?: \(\d+ plain steps?\))? · "
     r"prefill (\d+) new tokens \((\d+) cached\)"
 )
 
@@ -81,8 +81,8 @@ def test_options_are_parsed_and_checked(pair, tmp_path):
                   "--block-size", "4", "--system", "be kind", "--no-color")
     assert result.exit_code == 0, result.output
     data = json.loads(save.read_text())
-    assert data["settings"] == {"temp": 0.7, "top_p": 0.9, "max_tokens": 3, "block_size": 4, "think": None,
-                                "system": "be kind", "adaptive": True}
+    assert data["settings"] == {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "max_tokens": 3,
+                                "block_size": 4, "think": None, "system": "be kind"}
     assert data["messages"][0] == {"role": "system", "content": "be kind"}
     assert "\x1b[" not in result.output
     assert summaries(result.output)[0][0] == 3
@@ -91,22 +91,27 @@ def test_options_are_parsed_and_checked(pair, tmp_path):
     for bad in (["--temp", "-1"], ["--top-p", "1.5"], ["--max-tokens", "0"], ["--q-bits", "9"]):
         assert chat(pair, "", *bad).exit_code == 2
     too_big = chat(pair, "", "--block-size", "99")
-    assert isinstance(too_big.exception, DFlashError) and "exceeds the drafter's block size 8" in str(too_big.exception)
+    assert isinstance(too_big.exception, DFlashError) and "exceeds the drafter's" in str(too_big.exception)
 
 
-def test_always_draft_turns_adaptive_drafting_off(pair, tmp_path):
+def test_block_size_auto_by_default_a_number_fixes_it(pair, tmp_path):
     save = tmp_path / "a.json"
-    result = chat(pair, f"hi\nmore\n/save {save}\n", "--always-draft", "--max-tokens", "10")
+    result = chat(pair, f"hi\nmore\n/stats\n/save {save}\n", "--max-tokens", "10")
     assert result.exit_code == 0, result.output
-    assert json.loads(save.read_text())["settings"]["adaptive"] is False
-    assert "plain" not in result.output and len(summaries(result.output)) == 2
+    assert json.loads(save.read_text())["settings"]["block_size"] == "auto"
+    out = " ".join(result.output.split())
+    assert "block size auto" in out and "cost model: predicted" in out and len(summaries(result.output)) == 2
+    fixed = chat(pair, f"hi\nmore\n/stats\n/save {save}\n", "--block-size", "8", "--max-tokens", "10")
+    assert fixed.exit_code == 0, fixed.output
+    assert json.loads(save.read_text())["settings"]["block_size"] == 8
+    assert "cost model" not in fixed.output and len(summaries(fixed.output)) == 2
 
 
 def test_every_slash_command(pair, tmp_path):
     save = tmp_path / "s.json"
     script = "\n".join([
         "/help", "/temp 0.5", "/temp abc", "/top-p 2", "/top-p 0.8", "/max-tokens 0", "/max-tokens 5",
-        "/block-size 99", "/block-size 3", "/think maybe", "/think off", "/adaptive off", "/color off",
+        "/block-size 99", "/block-size auto", "/block-size 3", "/think maybe", "/think off", "/color off",
         "/system be brief",
         "/bogus", "/save", "first", "/stats", f"/save {save}", "/reset", "/stats", "/exit", "never sent",
     ]) + "\n"
@@ -114,8 +119,8 @@ def test_every_slash_command(pair, tmp_path):
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     for line in ["/think on|off", "temperature 0.5", "/temp needs a number, got 'abc'", "/top-p must be between",
-                 "top-p 0.8", "/max-tokens must be >= 1", "max tokens 5", "block size must be between 1 and 8",
-                 "block size 3", "/think takes on or off", "thinking off", "adaptive drafting off", "colours off",
+                 "top-p 0.8", "/max-tokens must be >= 1", "max tokens 5", "exceeds the drafter's",
+                 "block size 3", "/think takes on or off", "thinking off", "block size auto", "colours off",
                  "system message set",
                  "unknown command /bogus", "/save needs a file name", "saved 3 messages", "conversation reset",
                  "0 turns, 0 prompt tokens computed"]:
