@@ -39,7 +39,7 @@ from .target import TargetModel, as_target
 VERSION = 1
 DIR_ENV = "MLX_DFLASH_CALIBRATION_DIR"  # where calibrations are kept (tests point it elsewhere)
 CONTEXTS = (64, 1024)  # token counts the costs are measured at (fit: linear in between)
-REPEATS = 3  # timed cycles per size and context (the median is kept)
+REPEATS = 2  # timed cycles per size and context (the median is kept)
 
 Progress = Callable[[int, int], None]
 

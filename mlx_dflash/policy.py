@@ -16,7 +16,7 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
 
 Greedily exploiting estimates would never learn that an unused size became better,
 so every `interval` cycles the runner-up is tried; the interval doubles while such
-probes confirm the choice, and is reset when a probe drafted better than expected.
+probes confirm the choice, and is reset when a probe makes the runner-up look close.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
 speed only, never the output. Its per-cycle work is a few dozen float operations on
 Python numbers (no array work, no host sync).
@@ -250,13 +250,15 @@ class AutoBlockSize:
         return best
 
     def record(self, size: int, accepted: int, seconds: float) -> None:
-        if self._probing and self.prediction is not None and accepted + 1 > self.prediction[0]:
-            self._interval = self.probe_every  # better than expected: look again soon
         if size > 1:
             self.acceptance.observe(size - 1, accepted)
         if size in self._seen and size in self.sizes:  # a size's first cycle may include setup
             self.costs.observe(size, self._position, seconds)
         self._seen.add(size)
+        if self._probing:
+            scores = self.scores(self._position)
+            if scores[self._best] < 1.1 * scores.get(size, 0.0):  # the alternative now looks close
+                self._interval = self.probe_every
         if self.prediction is not None:
             self.predicted_tokens += self.prediction[0]
             self.predicted_seconds += self.prediction[1]

@@ -18,8 +18,8 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
 from ..drafter import DFlashDraftModel
-from ..generate import stream_generate
-from ..policy import AUTO
+from ..generate import check_block_size, stream_generate
+from ..policy import AUTO, make_policy
 
 
 @dataclass
@@ -82,7 +82,9 @@ class DFlashEngine:
     """Our `stream_generate`: DFlash with a drafter, the target alone without one.
 
     `drafter` may also be a factory `(prompt_ids, max_tokens) -> proposer`, called per run
-    (the benchmark-only proposers of `bench.proposers`).
+    (the benchmark-only proposers of `bench.proposers`). With `auto`, one policy serves
+    every run of the mode, as one serves a whole chat or server: what it learned about
+    the drafter and the machine carries over from prompt to prompt.
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, drafter: DFlashDraftModel | Callable | Any | None,
@@ -93,11 +95,14 @@ class DFlashEngine:
         label = self.block_size if self.block_size == AUTO else f"b{self.block_size}"
         self.name = name or (f"dflash-{label}" if drafter is not None else "target")
         self.calibration, self.profile = calibration, profile
+        self.policy: Any = None
 
     def run(self, prompt_ids: list[int], *, max_tokens: int, temp: float, seed: int | None) -> Run:
         drafter = self.drafter
         if callable(drafter) and not isinstance(drafter, nn.Module):
             drafter = drafter(prompt_ids, max_tokens)
+        if self.block_size == AUTO and self.policy is None:
+            self.policy = make_policy(AUTO, check_block_size(None, drafter), self.calibration)
         mx.reset_peak_memory()
         tokens: list[int] = []
         event, first = None, None
@@ -105,7 +110,7 @@ class DFlashEngine:
         for event in stream_generate(
             self.model, self.tokenizer, prompt_ids, draft_model=drafter, max_tokens=max_tokens,
             temp=temp, seed=seed, block_size=self.block_size, profile=self.profile and drafter is not None,
-            calibration=self.calibration,
+            policy=self.policy,
         ):
             if first is None:
                 first = time.perf_counter()
