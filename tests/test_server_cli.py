@@ -1,8 +1,7 @@
-"""The real `dflash-mlx serve` process: startup line, a request over curl, Ctrl-C shuts it down cleanly."""
+"""The real `dflash-mlx serve` process: startup line, a request, Ctrl-C shuts it down cleanly."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -35,11 +34,9 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.1)
             assert proc.poll() is None, proc.stderr.read()
-        body = json.dumps({"model": str(target), "prompt": "hello", "max_tokens": 5})
-        out = subprocess.run(["curl", "-s", "--max-time", "60", url + "/v1/completions",
-                              "-H", "Authorization: Bearer k", "-H", "Content-Type: application/json", "-d", body],
-                             capture_output=True, text=True, timeout=90).stdout
-        assert json.loads(out)["usage"]["completion_tokens"] >= 1
+        body = {"model": str(target), "prompt": "hello", "max_tokens": 5}
+        reply = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
+        assert reply.json()["usage"]["completion_tokens"] >= 1
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:

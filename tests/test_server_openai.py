@@ -7,6 +7,7 @@ against `mlx_dflash.generate` with the same drafter, on tiny random models.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import threading
 
@@ -157,6 +158,7 @@ def test_models_and_health(server, client):
     assert health["status"] == "ok" and health["model"] == MODEL_ID
 
 
+@pytest.mark.skipif(shutil.which("curl") is None, reason="needs the curl command")
 def test_curl_sse_framing(server):
     body = json.dumps({"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8,
                        "stream": True})

@@ -29,6 +29,7 @@ from .text import TextFilter
 class EngineConfig:
     block_size: int | str = DEFAULT_BLOCK_SIZE  # "auto": chosen each cycle; an int: fixed
     prompt_cache_bytes: int = 4 << 30
+    calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (mlx_dflash.calibration)
 
 
 @dataclass
@@ -118,12 +119,14 @@ class Engine:
         self.block_size = size if size == AUTO or drafter is None else check_block_size(int(size), drafter)
         self.fixed_block_size = self.max_block_size if size == AUTO else min(int(size), self.max_block_size)
         # One policy for every request: what pays on this machine holds across them.
-        self.policy = make_policy(self.block_size if drafter is not None else 1, self.max_block_size)
+        self.policy = make_policy(self.block_size if drafter is not None else 1, self.max_block_size,
+                                  self.config.calibration)
         self.max_context = getattr(self.target.args, "max_position_embeddings", None)
         self.stop_ids = set(tokenizer.eos_token_ids)
         self.prompt_cache = PromptCache(self.config.prompt_cache_bytes, self._new_session)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._current: Job | None = None
         self.busy = False
 
     def _new_session(self) -> DecodingSession:
@@ -149,6 +152,8 @@ class Engine:
             if job is not None:
                 job.cancelled.set()
                 job.emit(Finished("cancelled", GenerationStats()))
+        if self._current is not None:
+            self._current.cancelled.set()  # the running request ends at its cycle's end
         self._jobs.put(None)
         self._thread.join(timeout)
         self._thread = None
@@ -171,13 +176,13 @@ class Engine:
             if job.cancelled.is_set():
                 job.emit(Finished("cancelled", GenerationStats(prompt_tokens=len(job.request.prompt))))
                 continue
-            self.busy = True
+            self.busy, self._current = True, job
             try:
                 job.emit(self._run(job))
             except Exception as e:  # never let one request take the worker down
                 job.emit(Finished("error", GenerationStats(), error=f"{type(e).__name__}: {e}"))
             finally:
-                self.busy = False
+                self.busy, self._current = False, None
 
     def _run(self, job: Job) -> Finished:
         req = job.request
