@@ -151,6 +151,24 @@ def test_logprobs_are_the_targets_own(pair, client):
     assert len(completion.choices[0].logprobs.token_logprobs) == len(reference_ids(model, prompt, 12))
 
 
+def test_sampled_logprobs_are_the_targets_own(pair, client):
+    model, tokenizer, _ = pair
+    prompt = chat_ids(tokenizer, "Sample with logprobs")
+    reply = client.chat.completions.create(model=MODEL_ID, max_tokens=12, temperature=1.0, seed=11, logprobs=True,
+                                           messages=[{"role": "user", "content": "Sample with logprobs"}])
+    by_text = {}
+    for i in range(model.args.vocab_size):
+        by_text.setdefault(tokenizer.decode([i]), []).append(i)
+    content = reply.choices[0].logprobs.content
+    ids = [by_text[entry.token][0] for entry in content]
+    assert all(len(by_text[entry.token]) == 1 for entry in content)
+    assert "".join(e.token for e in content) == reply.choices[0].message.content
+    logits = model(mx.array(prompt + ids, dtype=mx.uint32)[None])[0].astype(mx.float32)
+    rows = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    for i, (entry, token) in enumerate(zip(content, ids, strict=True)):
+        assert entry.logprob == pytest.approx(rows[len(prompt) - 1 + i, token].item(), abs=1e-3)
+
+
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL_ID]
     assert client.models.retrieve(MODEL_ID).id == MODEL_ID
@@ -281,3 +299,20 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server):
             assert error["param"] == param, (route, body, error)
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_logprob_recorder_keeps_the_sampler_kind():
+    """Rejection verify needs a TargetSampler's `probs`: the recording sampler must still be one."""
+    from mlx_dflash.sampling import TargetSampler, make_sampler
+    from mlx_dflash.server.engine import LogprobRecorder
+
+    recorder = LogprobRecorder(top=2)
+    rows = mx.log(mx.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
+    sampled = recorder.sampler(make_sampler(1.0))
+    assert isinstance(sampled, TargetSampler)
+    sampled.probs(rows)
+    assert recorder.rows is rows
+    greedy = recorder.sampler(make_sampler(0.0))
+    assert greedy(rows[:1]).tolist() == [0] and recorder.rows.shape == (1, 3)
+    (first,) = recorder.take([0])
+    assert first.logprob == pytest.approx(float(mx.log(mx.array(0.7)).item())) and [t for t, _ in first.top] == [0, 1]

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import make_sampler
 
 from ..generate import GenerationStats, check_block_size, make_proposer, stream_session
 from ..policy import AUTO, DEFAULT_BLOCK_SIZE, FixedBlockSize, make_policy
+from ..sampling import TargetSampler, make_sampler
 from ..session import DecodingSession
 from ..target import TargetModel
 from .prompt_cache import PromptCache
@@ -80,16 +80,17 @@ class Job:
 
 
 class LogprobRecorder:
-    """A sampler wrapper keeping the log-probabilities it was given (the target's verify rows)."""
+    """Keeps the log-probabilities the decode loop last handed its sampler: the target's verify rows."""
 
-    def __init__(self, sampler: Any, top: int):
-        self.sampler = sampler
+    def __init__(self, top: int):
         self.top = top
         self.rows: mx.array | None = None
 
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        self.rows = logprobs
-        return self.sampler(logprobs)
+    def sampler(self, sampler: Any) -> Any:
+        """`sampler`, recording what it is given (still a TargetSampler where it was one)."""
+        if isinstance(sampler, TargetSampler):
+            return _RecordingTargetSampler(sampler, self)
+        return _RecordingSampler(sampler, self)
 
     def take(self, tokens: list[int]) -> list[TokenLogprob]:
         if not tokens:
@@ -105,6 +106,31 @@ class LogprobRecorder:
             TokenLogprob(t, lp, list(zip(top_ids[i], top_values[i], strict=True)) if top_ids else [])
             for i, (t, lp) in enumerate(zip(tokens, chosen, strict=True))
         ]
+
+
+class _RecordingSampler:
+    def __init__(self, sampler: Any, recorder: LogprobRecorder):
+        self.sample, self.recorder = sampler, recorder
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.recorder.rows = logprobs
+        return self.sample(logprobs)
+
+
+class _RecordingTargetSampler(TargetSampler):
+    """The same sampler (rejection verify uses its `probs`), recording both kinds of call."""
+
+    def __init__(self, sampler: TargetSampler, recorder: LogprobRecorder):
+        self.__dict__.update(vars(sampler))
+        self.recorder = recorder
+
+    def __call__(self, logprobs: mx.array) -> mx.array:
+        self.recorder.rows = logprobs
+        return super().__call__(logprobs)
+
+    def probs(self, logprobs: mx.array) -> mx.array:
+        self.recorder.rows = logprobs
+        return super().probs(logprobs)
 
 
 class Engine:
@@ -191,13 +217,15 @@ class Engine:
         if req.seed is not None:
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
-        recorder = LogprobRecorder(sampler, req.top_logprobs) if req.top_logprobs is not None else None
+        recorder = LogprobRecorder(req.top_logprobs) if req.top_logprobs is not None else None
         # A seeded sample is reproducible only if every cycle has the same size: no timing-driven choice.
         seeded = req.seed is not None and req.temperature > 0
         policy = FixedBlockSize(self.fixed_block_size) if seeded else self.policy
         text = TextFilter(req.stops, req.capture_marker)
+        if recorder is not None:
+            sampler = recorder.sampler(sampler)
         stream = stream_session(
-            session, new, recorder or sampler, max_tokens=req.max_tokens, stop=self.stop_ids,
+            session, new, sampler, max_tokens=req.max_tokens, stop=self.stop_ids,
             detokenizer=self.tokenizer.detokenizer, policy=policy,
         )
         finish, stop, event, consistent = "cancelled", None, None, True
