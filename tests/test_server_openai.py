@@ -280,6 +280,8 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", dict(CHAT, stream="yes"), 400, "stream"),
     ("/v1/chat/completions", dict(CHAT, logprobs=True, top_logprobs=50), 400, "top_logprobs"),
     ("/v1/chat/completions", dict(CHAT, seed="x"), 400, "seed"),
+    ("/v1/chat/completions", dict(CHAT, chat_template_kwargs={"tokenize": False}), 400, "chat_template_kwargs"),
+    ("/v1/chat/completions", dict(CHAT, chat_template_kwargs=[1]), 400, "chat_template_kwargs"),
     ("/v1/completions", {"model": MODEL_ID, "prompt": {"text": "x"}}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_ID, "prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "ab" * 2100}, 400, "prompt"),

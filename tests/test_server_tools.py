@@ -21,6 +21,7 @@ ANSWER = "It is sunny in Paris."
 # A Qwen3/Hermes-like template: tools listed, earlier calls as <tool_call> JSON, tool results,
 # and a generation prompt that ends differently after a tool result.
 TEMPLATE = (
+    "{%- if greeting is defined %}{{ greeting }}{% endif %}"
     "{%- if tools %}<s>tools:{% for t in tools %}{{ t.function.name }};{% endfor %}</s>{% endif %}"
     "{%- for m in messages %}"
     "{%- if m.role == 'assistant' and m.tool_calls %}<a>{% for c in m.tool_calls %}<tool_call>"
@@ -158,3 +159,12 @@ def test_parse_tool_calls():
     assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2})]
     assert parse_tool_calls('{"name": "a", "arguments": {"x": 1}') is None  # cut short: not a call
     assert parse_tool_calls("not json</tool_call>") is None
+
+
+def test_chat_template_kwargs_reach_the_template(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    question = [{"role": "user", "content": "Hi"}]
+    plain = client.chat.completions.create(model=MODEL_ID, messages=question, max_tokens=2)
+    greeted = client.chat.completions.create(model=MODEL_ID, messages=question, max_tokens=2,
+                                             extra_body={"chat_template_kwargs": {"greeting": "Hello!"}})
+    assert greeted.usage.prompt_tokens == plain.usage.prompt_tokens + len("Hello!")

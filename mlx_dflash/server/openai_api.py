@@ -16,6 +16,9 @@ from .state import JobStream, ServerState, dflash_extension, usage_numbers
 from .tools import TOOL_CALL_OPEN, parse_tool_calls, template_tool_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# Arguments of apply_chat_template itself, not template variables.
+RESERVED_TEMPLATE_ARGS = {"tokenize", "add_generation_prompt", "return_dict", "tools", "conversation",
+                          "continue_final_message", "padding", "truncation", "max_length", "return_tensors"}
 
 
 @dataclass
@@ -130,7 +133,11 @@ def chat_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Opt
     _common(state, body)
     messages = template_messages(fields.array(body, "messages", required=True))
     tools = parse_tools(body)
-    prompt = state.render(messages, tools)
+    options = body.get("chat_template_kwargs") or {}
+    if not isinstance(options, dict) or set(options) & RESERVED_TEMPLATE_ARGS:
+        raise fields.bad("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables "
+                         f"(not {', '.join(sorted(RESERVED_TEMPLATE_ARGS))})")
+    prompt = state.render(messages, tools, options)
     max_tokens = fields.integer(body, "max_completion_tokens", fields.integer(body, "max_tokens", None, low=1), low=1)
     request = _sampling(state, body, prompt, max_tokens)
     logprobs = fields.boolean(body, "logprobs")

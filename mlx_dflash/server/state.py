@@ -31,11 +31,13 @@ class ServerState:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            param="model", code="model_not_found")
 
-    def render(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def render(self, messages: list[dict], tools: list[dict] | None = None, options: dict | None = None) -> list[int]:
+        """Prompt ids of a conversation; `options` go to the template (e.g. Qwen3's enable_thinking)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True)
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                     **(options or {}))
         except Exception as e:  # a template rejecting the conversation (roles, order) is the request's fault
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         return list(ids)
