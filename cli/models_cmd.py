@@ -16,11 +16,13 @@ def models() -> None:
 
     console = Console()
     table = Table(title="Known pairs (use the short name as MODEL or SRC)")
-    for column in ("short name", "target repo", "drafter repo", "in HF cache"):
+    for column in ("short name", "target repo", "drafter repo", "DFlash", "in HF cache"):
         table.add_column(column, overflow="fold")
     for pair in KNOWN_PAIRS:
         cached = [role for role, repo in (("target", pair.target), ("drafter", pair.drafter)) if in_hub_cache(repo)]
-        table.add_row(*(Text(cell) for cell in (pair.name, pair.target, pair.drafter, ", ".join(cached) or "-")))
+        version = "DFlash2" if pair.dflash == 2 else "v1"
+        table.add_row(*(Text(cell) for cell in (pair.name, pair.target, pair.drafter, version,
+                                               ", ".join(cached) or "-")))
     console.print(table)
     entries = cached_conversions()
     if not entries:

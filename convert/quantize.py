@@ -17,6 +17,9 @@ RECIPES = ("mixed", "uniform")
 # In the mixed recipe the vocabulary-sized matrices keep 8 bits: they are read once
 # per token and errors there hit every logit.
 VOCAB_LAYERS = ("lm_head", "embed_tokens")
+# DFlash2 drafters' convolution-kernel and selector projections stay dense too: tiny, and
+# they steer every drafted token (the codebooks and base kernels are plain tables, never quantized).
+DRAFTER_DENSE_SUFFIXES = ("_conv.kernel_projection", "candidate_selector.hidden_projection")
 
 
 def check_quant_options(bits: int, group_size: int, recipe: str) -> None:
@@ -46,7 +49,7 @@ def quantize(model: nn.Module, *, bits: int, group_size: int, recipe: str, draft
             return False
         if recipe == "mixed":
             # The drafter's fc fuses several target layers' features: small, and sensitive.
-            if drafter and path == "fc":
+            if drafter and (path == "fc" or path.endswith(DRAFTER_DENSE_SUFFIXES)):
                 return False
             if not drafter and path.split(".")[-1] in VOCAB_LAYERS and bits < 8:
                 block[path] = {"group_size": group_size, "bits": 8}

@@ -37,6 +37,7 @@ class KnownPair:
     name: str
     target: str
     drafter: str
+    dflash: int = 1  # the drafter's DFlash version (2: DFlash2DraftModel, with the candidate selector)
 
 
 KNOWN_PAIRS: tuple[KnownPair, ...] = (
@@ -56,6 +57,7 @@ KNOWN_PAIRS: tuple[KnownPair, ...] = (
     KnownPair("Qwen3.6-35B-A3B", "Qwen/Qwen3.6-35B-A3B", "z-lab/Qwen3.6-35B-A3B-DFlash"),
     KnownPair("gemma-4-31B-it", "google/gemma-4-31B-it", "z-lab/gemma-4-31B-it-DFlash"),
     KnownPair("gemma-4-26B-A4B-it", "google/gemma-4-26B-A4B-it", "z-lab/gemma-4-26B-A4B-it-DFlash"),
+    KnownPair("Qwen3.8-27B", "Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2", dflash=2),
 )
 
 

@@ -1,0 +1,164 @@
+"""DFlash2 drafters in the engine: loading and converting (every key and shape checked), greedy
+output token-identical to the target alone over every target family, and sampled output that
+follows the target's distribution under speculative rejection sampling with the selector's q."""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from conftest import FAMILIES, cached_target
+from mlx.utils import tree_flatten
+from test_sampling import PROMPT, exact_distributions, pvalues, sample_many
+from tiny import drafter_config, greedy_reference, save_drafter, tiny_drafter, tiny_target
+from tiny_dflash2 import tiny_dflash2
+
+from convert import ConvertOptions, convert
+from mlx_dflash import stream_generate
+from mlx_dflash.drafter import DFlashDraftModel
+from mlx_dflash.drafter2 import DFlash2DraftModel
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.loading import load_drafter
+from mlx_dflash.proposer2 import DFlash2Proposer, dflash_proposer
+from mlx_dflash.resolve import KNOWN_PAIRS
+from mlx_dflash.target import TargetModel
+
+SLIDING = dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=6)
+DRAFTERS = [  # sliding and full layers, causal and not, soft-capping on and off
+    dict(SLIDING, softcap=20.0),
+    dict(is_causal=True, softcap=None, kernel_size=3),
+    dict(SLIDING, is_causal=False, softcap=None, output_multiplier=0.5),
+]
+
+
+def generated(model, tokenizer, prompt, draft, **kwargs):
+    tokens, lengths = [], []
+    for event in stream_generate(model, tokenizer, prompt, draft_model=draft, **kwargs):
+        tokens += event.tokens
+        lengths = event.stats.acceptance_lengths
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_is_lossless_with_dflash2(family, make_tokenizer):
+    """A 16-token vocabulary, so random drafters are right often enough for every path to run."""
+    model = cached_target(family, vocab=16)
+    rng = np.random.default_rng(list(FAMILIES).index(family))
+    accepted = 0
+    for i, overrides in enumerate(DRAFTERS):
+        drafter, _ = tiny_dflash2(model, seed=10 + i, top_k=5, **overrides)
+        prompt = [int(t) for t in rng.integers(4, 16, int(rng.integers(1, 40)))]
+        block_size, max_tokens = int(rng.integers(2, 9)), int(rng.integers(30, 60))
+        reference = greedy_reference(model, prompt, max_tokens)
+        tokens, lengths = generated(model, make_tokenizer(()), prompt, drafter, max_tokens=max_tokens,
+                                    block_size=block_size)
+        assert tokens == reference, (family, i)
+        accepted += sum(lengths) - len(lengths)
+    assert accepted > 0  # drafts were accepted, not only rejected
+
+
+def _saved(tmp_path, target_model, **overrides):
+    drafter, cfg = tiny_dflash2(target_model, seed=4, **overrides)
+    return drafter, cfg, save_drafter(drafter, cfg, tmp_path / "dflash2")
+
+
+def test_load_drafter_dispatches_on_architectures_and_checks_every_key(tmp_path):
+    target_model = tiny_target("qwen3", seed=0)
+    target = TargetModel(target_model)
+    drafter, cfg, path = _saved(tmp_path, target_model, **SLIDING)
+    loaded = load_drafter(path, target)
+    assert isinstance(loaded, DFlash2DraftModel)
+    assert loaded.args.selector_top_k == 6 and loaded.args.rope_theta == 10000.0
+    ours, theirs = dict(tree_flatten(drafter.parameters())), dict(tree_flatten(loaded.parameters()))
+    assert set(ours) == set(theirs) and any(k.startswith("candidate_selector.") for k in ours)
+    for key in ours:
+        np.testing.assert_array_equal(np.array(ours[key]), np.array(theirs[key]))
+    assert isinstance(dflash_proposer(loaded, target, max_block_size=8), DFlash2Proposer)
+
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    # Exports through nn.Embedding name the codebooks `<name>.weight`: the same drafter.
+    renamed = {(k + ".weight" if k.endswith("_codebook") else k): v for k, v in weights.items()}
+    mx.save_safetensors(str(path / "model.safetensors"), renamed)
+    assert isinstance(load_drafter(path, target), DFlash2DraftModel)
+
+    for broken, message in [
+        ({k: v for k, v in weights.items() if k != "candidate_selector.successor_codebook"},
+         "missing candidate_selector.successor_codebook"),
+        ({**weights, "layers.1.mlp_conv.base_kernel": mx.zeros((2, 3, 64))}, "layers.1.mlp_conv.base_kernel has shape"),
+    ]:
+        mx.save_safetensors(str(path / "model.safetensors"), broken)
+        with pytest.raises(DFlashError, match=message):
+            load_drafter(path, target)
+
+    bad = dict(cfg, dflash_config={k: v for k, v in cfg["dflash_config"].items() if k != "selector_top_k"})
+    (path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(DFlashError, match="selector_top_k"):
+        load_drafter(path, target)
+
+    # A v1 drafter still loads as v1.
+    v1 = save_drafter(tiny_drafter(target_model), drafter_config(target_model), tmp_path / "v1")
+    assert type(load_drafter(v1, target)) is DFlashDraftModel
+
+
+def test_convert_round_trip_and_quantize_recipe(tmp_path, make_tokenizer):
+    target_model = cached_target("qwen3", vocab=16)
+    target = TargetModel(target_model)
+    drafter, cfg, src = _saved(tmp_path, target_model, top_k=5, group_size=16, **SLIDING)
+    exact = convert(src, tmp_path / "plain", ConvertOptions(dtype="float32"))
+    assert exact.kind == "drafter"
+    loaded = load_drafter(exact.path, target)
+    for key, value in tree_flatten(drafter.parameters()):
+        np.testing.assert_array_equal(np.array(dict(tree_flatten(loaded.parameters()))[key]), np.array(value))
+
+    quant = convert(src, tmp_path / "q4", ConvertOptions(dtype="float32", quantize=True, q_bits=4, q_group_size=32))
+    q = load_drafter(quant.path, target)
+    layer = q.layers[0]
+    assert layer.self_attn.q_proj.bits == 4 and hasattr(layer.mlp.down_proj, "scales")
+    for dense in (layer.attention_conv.kernel_projection, layer.mlp_conv.kernel_projection,
+                  q.candidate_selector.hidden_projection, q.fc):
+        assert not hasattr(dense, "scales")
+    original = dict(tree_flatten(drafter.parameters()))
+    for key in ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                "layers.0.attention_conv.base_kernel", "layers.1.mlp_conv.kernel_projection.weight"):
+        np.testing.assert_array_equal(np.array(dict(tree_flatten(q.parameters()))[key]), np.array(original[key]))
+    prompt = [5, 9, 4, 12, 7]
+    tokens, _ = generated(target_model, make_tokenizer(()), prompt, q, max_tokens=30, block_size=6)
+    assert tokens == greedy_reference(target_model, prompt, 30)
+
+
+def test_known_pairs_name_dflash2_drafters():
+    v2 = [p for p in KNOWN_PAIRS if p.dflash == 2]
+    assert ("Qwen/Qwen3.8-27B", "z-lab/Qwen3.8-27B-DFlash2") in [(p.target, p.drafter) for p in v2]
+    assert all(p.dflash == 1 for p in KNOWN_PAIRS if not p.drafter.endswith("DFlash2"))
+
+
+@pytest.fixture(scope="module")
+def sampling_pair():
+    from test_sampling import SEED, VOCAB
+
+    model = tiny_target("qwen3", seed=SEED, vocab=VOCAB, num_layers=2)
+    drafter, _ = tiny_dflash2(model, seed=3, num_layers=2, top_k=6, block_size=4, softcap=None,
+                              layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    return model, drafter
+
+
+@pytest.mark.slow
+def test_sampled_dflash2_follows_the_target_distribution(sampling_pair, make_tokenizer):
+    """Rejection sampling with the selector's q: the first three tokens' distributions are the target's."""
+    model, drafter = sampling_pair
+    target = TargetModel(model)
+    proposers = []
+
+    def fresh(model_, prompt):
+        assert prompt == PROMPT
+        proposers.append(dflash_proposer(drafter, target, max_block_size=4))
+        return proposers[-1]
+
+    n = 700  # ~10 ms per 3-token generation here
+    exact = exact_distributions(model, 0.8, 0.8)
+    samples, accepted = sample_many(model, make_tokenizer(()), n, 21, fresh, temp=0.8, top_p=0.8)
+    assert accepted > 0.06 * n, accepted  # the drafter's tokens really were accepted
+    p = pvalues(samples, exact)
+    assert min(p.values()) > 1e-4, p
