@@ -52,9 +52,8 @@ def serve(
     Ctrl-C stops the server.
     """
     try:
-        import uvicorn
-
-        from mlx_dflash.server import Engine, EngineConfig, create_app
+        from mlx_dflash.server import Engine, EngineConfig
+        from mlx_dflash.server.runner import make_server
         from mlx_dflash.server.state import ServerState
     except ImportError as e:
         raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
@@ -79,10 +78,8 @@ def serve(
     console.print(escape(
         f"serving '{model_id}' ({drafting}) at {where}/v1: OpenAI chat/completions and completions, "
         f"Anthropic messages{', API key required' if api_key else ''}; Ctrl-C stops"))
-    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
-                            timeout_graceful_shutdown=5)
     try:
-        uvicorn.Server(config).run()
+        make_server(state, host, port, log_level).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
     console.print("server stopped")

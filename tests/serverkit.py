@@ -6,9 +6,8 @@ import socket
 import threading
 import time
 
-import uvicorn
-
-from mlx_dflash.server import Engine, EngineConfig, create_app
+from mlx_dflash.server import Engine, EngineConfig
+from mlx_dflash.server.runner import make_server
 from mlx_dflash.server.state import ServerState
 
 MODEL_ID = "tiny"
@@ -29,8 +28,7 @@ class LiveServer:
         self.state = ServerState(self.engine, MODEL_ID, api_key=api_key, max_tokens_default=max_tokens_default)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.state), host="127.0.0.1", port=self.port,
-                                                    log_level="warning", timeout_graceful_shutdown=2))
+        self.server = make_server(self.state, "127.0.0.1", self.port)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> LiveServer:

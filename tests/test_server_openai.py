@@ -318,3 +318,23 @@ def test_logprob_recorder_keeps_the_sampler_kind():
     assert greedy(rows[:1]).tolist() == [0] and recorder.rows.shape == (1, 3)
     (first,) = recorder.take([0])
     assert first.logprob == pytest.approx(float(mx.log(mx.array(0.7)).item())) and [t for t, _ in first.top] == [0, 1]
+
+
+def test_ctrl_c_ends_streams_in_flight_cleanly(endless):
+    import signal
+
+    model, tokenizer, drafter = endless
+    live = LiveServer(model, tokenizer, drafter).__enter__()
+    try:
+        body = {"model": MODEL_ID, "prompt": "on and on", "max_tokens": 4000, "stream": True}
+        with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            live.server.handle_exit(signal.SIGINT, None)  # what Ctrl-C calls
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "stop"
+        live.thread.join(30)
+        assert not live.thread.is_alive()
+    finally:
+        live.__exit__(None, None, None)

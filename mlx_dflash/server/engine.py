@@ -164,10 +164,8 @@ class Engine:
             self._thread = threading.Thread(target=self._work, name="dflash-decode", daemon=True)
             self._thread.start()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Finish the running cycle, cancel what waits, and end the worker."""
-        if self._thread is None:
-            return
+    def cancel_all(self) -> None:
+        """End every request: the running one at its cycle's end, the queued ones now (each gets a Finished)."""
         pending = []
         while True:
             try:
@@ -178,11 +176,19 @@ class Engine:
             if job is not None:
                 job.cancelled.set()
                 job.emit(Finished("cancelled", GenerationStats()))
-        if self._current is not None:
-            self._current.cancelled.set()  # the running request ends at its cycle's end
+        current = self._current
+        if current is not None:
+            current.cancelled.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Cancel every request and end the worker."""
+        if self._thread is None:
+            return
+        self.cancel_all()
         self._jobs.put(None)
         self._thread.join(timeout)
         self._thread = None
+        self.prompt_cache.clear()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Step | Finished], None]) -> Job:
         job = Job(request, emit)

@@ -1,0 +1,33 @@
+"""Running the app with uvicorn; Ctrl-C ends the requests in flight first, so their streams close cleanly."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import uvicorn
+
+from .app import create_app
+from .engine import Engine
+from .state import ServerState
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, which on Ctrl-C also tells the engine to end its requests at once.
+
+    Without this, uvicorn waits for streaming responses until its graceful-shutdown timeout
+    and then cancels them mid-stream; with it each stream gets its last chunk and ends.
+    """
+
+    def __init__(self, config: uvicorn.Config, engine: Engine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        self.engine.cancel_all()
+        super().handle_exit(sig, frame)
+
+
+def make_server(state: ServerState, host: str, port: int, log_level: str = "warning") -> GracefulServer:
+    config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5)
+    return GracefulServer(config, state.engine)
