@@ -32,8 +32,8 @@ from mlx_lm.sample_utils import make_sampler
 from ._platform import machine
 from .drafter import DFlashDraftModel
 from .policy import candidate_sizes
+from .proposer2 import dflash_proposer
 from .session import DecodingSession
-from .speculative import DFlashProposer
 from .target import TargetModel, as_target
 
 VERSION = 1
@@ -133,7 +133,7 @@ def measure(
     samples: dict[int, list[tuple[int, float]]] = {size: [] for size in sizes}
     for context in contexts:
         # Any token ids do: costs do not depend on what the text says.
-        session = DecodingSession(target, DFlashProposer(drafter, target, max_block_size=drafter.block_size))
+        session = DecodingSession(target, dflash_proposer(drafter, target, max_block_size=drafter.block_size))
         session.extend([(7 * i + 11) % target.vocab_size for i in range(context)], sampler)
         for rep in range(repeats + 1):  # the first pass warms up (allocation, kernel setup)
             times = []

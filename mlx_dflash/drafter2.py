@@ -16,7 +16,7 @@ Parameter names equal the checkpoint keys.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -201,7 +201,3 @@ class DFlash2DraftModel(v1.DFlashDraftModel):
                 key = key[: -len(".weight")]
             out[key] = value
         return out
-
-
-def is_dflash2(config: dict[str, Any]) -> bool:
-    return ARCHITECTURE in (config.get("architectures") or [])
