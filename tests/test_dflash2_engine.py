@@ -162,3 +162,44 @@ def test_sampled_dflash2_follows_the_target_distribution(sampling_pair, make_tok
     assert accepted > 0.06 * n, accepted  # the drafter's tokens really were accepted
     p = pvalues(samples, exact)
     assert min(p.values()) > 1e-4, p
+
+
+def test_dflash2_on_the_emulated_kernel_path_matches_the_pure_path(tmp_path, monkeypatch):
+    """Context injection and the block Q/K preparation run through the (host-emulated) Metal
+    kernels for DFlash2 layers too, masks and convolutions included: same hidden states, same draft."""
+    from emulate_metal import EmulatedKernel, compiler_available
+
+    from mlx_dflash import kernels
+    from mlx_dflash.kernels import _common
+
+    if not compiler_available():
+        pytest.skip("g++ is needed to emulate the Metal kernels")
+    target_model = tiny_target("qwen3", seed=0)
+    target = TargetModel(target_model)
+    drafter, cfg = tiny_dflash2(target_model, seed=5, **SLIDING)
+    features = mx.random.normal((1, 14, 2 * target.hidden_size), key=mx.random.key(2))
+    last = mx.array([40], dtype=mx.uint32)
+
+    def draft_step():
+        proposer = dflash_proposer(drafter, target, max_block_size=cfg["block_size"])
+        proposer.commit(features[:, :9], 0)
+        proposer.commit(features[:, 9:], 9)
+        block = mx.concatenate([last, proposer._masks])
+        hidden = drafter(drafter.embed(target, block[None]), proposer.cache, 14)
+        draft = proposer.propose(last, 14, cfg["block_size"])
+        mx.eval(hidden, draft)
+        return np.array(hidden), np.array(draft)
+
+    pure_hidden, pure_draft = draft_step()
+    launches = []
+
+    def emulated(spec, kind):
+        launches.append(spec.name)
+        return EmulatedKernel(spec, tmp_path)
+
+    monkeypatch.setattr(kernels, "backend", lambda: "metal")
+    monkeypatch.setattr(_common, "compiled", emulated)
+    kernel_hidden, kernel_draft = draft_step()
+    assert launches.count("dflash_context_kv") == 2 and launches.count("dflash_block_qk") == 2 * 3
+    np.testing.assert_allclose(kernel_hidden, pure_hidden, rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(kernel_draft, pure_draft)
