@@ -92,7 +92,7 @@ def test_lru_in_bytes_and_divergent_prefixes():
     newest = sessions[2]
     diverging = newest.tokens[:12] + [120, 121]
     session, cached = cache.fetch(diverging)
-    assert cached == 11 and session.tokens == newest.tokens[:12] and session is not newest
+    assert cached == 12 and session.tokens == diverging[:13] and session is not newest
     assert len(cache) == 2  # the longer history stays for its own continuation
     extending = newest.tokens + [7, 8]
     session, cached = cache.fetch(extending)
@@ -105,3 +105,43 @@ def test_hybrid_divergence_starts_cold():
     cache.store(session)
     fresh, cached = cache.fetch(session.tokens[:6] + [99, 98])
     assert cached == 0 and fresh.tokens == [] and len(cache) == 1  # a recurrent state cannot be rewound
+
+
+def test_swapping_the_pending_token_equals_a_cold_run():
+    """A prompt that leaves a hybrid session only at its pending token reuses every cached position."""
+    from mlx_lm.sample_utils import make_sampler
+
+    session = _session("qwen3_5", 12)
+    cache = PromptCache(1 << 30, lambda: DecodingSession(session.target))
+    cache.store(session)
+    other = (session.tokens[-1] + 1) % 100 + 4
+    prompt = session.tokens[:-1] + [other, 50, 51]
+    reused, cached = cache.fetch(prompt)
+    assert reused is session and cached == len(prompt) - 3 and reused.tokens[-1] == other
+    greedy = make_sampler(0.0)
+    warm = reused.extend(prompt[len(reused.tokens):], greedy)
+    cold = DecodingSession(session.target)
+    assert warm == cold.extend(prompt, greedy)
+    assert reused.tokens == cold.tokens
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3_text"])
+def test_a_rerendered_reply_still_reuses_the_whole_first_prompt(family, tokenizer):
+    """The client sends back a reply that differs from what was generated (as templates that strip
+    thinking do): everything up to it still comes from the cache, in every family."""
+    model = build(family, seed=4)
+    target = CountingTarget(model)
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
+    first = [{"role": "user", "content": "Tell me about caches."}]
+    with LiveServer(target, tokenizer, drafter) as live:
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        one = client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=12)
+        reply = one.choices[0].message.content
+        edited = ("x" if not reply.startswith("x") else "y") + reply[1:]
+        second = first + [{"role": "assistant", "content": edited}, {"role": "user", "content": "Go on."}]
+        expected, prompt = reply_of(model, tokenizer, second, 16)
+        target.fed.clear()
+        two = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=16)
+    assert two.usage.prompt_tokens_details.cached_tokens == one.usage.prompt_tokens
+    assert target.fed[0] == len(prompt) - one.usage.prompt_tokens
+    assert two.choices[0].message.content == tokenizer.decode(expected)

@@ -237,6 +237,8 @@ class Engine:
         finish, stop, event, consistent = "cancelled", None, None, True
         try:
             for event in stream:
+                if event.stats.cycles == 0:  # the prompt's own event: its state is worth keeping
+                    self.prompt_cache.snapshot(session)
                 released = text.push(event.text)
                 logprobs = recorder.take(event.tokens) if recorder is not None else None
                 job.emit(Step(event.tokens, released.text, logprobs))

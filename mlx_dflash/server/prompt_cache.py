@@ -1,10 +1,12 @@
 """Decoding sessions kept across requests, least recently used first out, bounded in bytes.
 
 A request takes the session sharing the longest prefix with its prompt: one its
-prompt extends is taken over as it is (every family: attention, hybrid recurrent,
-sliding window); one it diverges from is copied and the copy rolled back, which
-only caches that can be trimmed allow (otherwise the request starts cold). The
-drafter's context cache travels inside the session, so it is reused alike.
+prompt extends (or goes on from but for the pending token, which no cache holds)
+is taken over as it is, in every family (attention, hybrid recurrent, sliding
+window); one it diverges from earlier is copied and the copy rolled back, which
+only caches that can be trimmed allow. For the others a copy taken right after
+each prompt (`snapshot`) keeps that prompt reusable. The drafter's context cache
+travels inside the session, so it is reused alike.
 """
 
 from __future__ import annotations
@@ -91,22 +93,21 @@ class PromptCache:
         return len(self._entries)
 
     def fetch(self, prompt: list[int]) -> tuple[DecodingSession, int]:
-        """A session whose tokens are a proper prefix of `prompt`, and the prompt positions it holds computed."""
-        best_key, best = None, 0
+        """A session to feed `prompt[len(session.tokens):]` (at least one token) to, and how many
+        prompt positions its caches already hold."""
+        best: tuple[int, int] | None = None  # (length to keep, entry key)
         for key, (session, _) in self._entries.items():
-            shared = common_prefix(session.tokens, prompt)
-            if shared > best:
-                best_key, best = key, shared
-        keep = min(best, len(prompt) - 1)  # at least one prompt token is fed, to sample from
-        if best_key is None or keep < 1:
+            keep = _usable_length(session, prompt)
+            if keep is not None and (best is None or keep > best[0]):
+                best = (keep, key)
+        if best is None:
             return self.new_session(), 0
-        session, _ = self._entries[best_key]
+        keep, key = best
+        session, _ = self._entries[key]
         if keep == len(session.tokens):
-            del self._entries[best_key]
+            del self._entries[key]  # taken over as it is: its tokens go on in this prompt
         else:
-            if session.target.checkpoint(session.cache) is not None:
-                return self.new_session(), 0  # a recurrent or rotating cache cannot be rewound
-            self._entries.move_to_end(best_key)
+            self._entries.move_to_end(key)  # kept for its own continuation; a copy is rolled back
             session = clone_session(session)
             if session is None:
                 return self.new_session(), 0
@@ -114,7 +115,21 @@ class PromptCache:
             session.truncate(keep)
             if session.cache is not before:  # the drafter's window refused: recomputed from scratch
                 return session, 0
-        return session, len(session.tokens) - 1  # the pending token is fed again
+        # The pending token is in no cache (the session invariant): replacing it costs nothing.
+        session.tokens[-1] = prompt[keep - 1]
+        return session, keep - 1
+
+    def snapshot(self, session: DecodingSession) -> None:
+        """Keep a copy of a session that cannot be rolled back, taken right after its prompt.
+
+        Its caches hold the whole prompt and its pending token is the first one generated, so
+        a later prompt that shares this prompt but goes on differently (a regenerated reply, a
+        template that re-renders past replies) still reuses all of it.
+        """
+        if self.max_bytes > 0 and session.target.checkpoint(session.cache) is not None:
+            clone = clone_session(session)
+            if clone is not None:
+                self.store(clone)
 
     def store(self, session: DecodingSession) -> None:
         if self.max_bytes <= 0 or len(session.tokens) < 2:
@@ -126,6 +141,21 @@ class PromptCache:
 
     def clear(self) -> None:
         self._entries.clear()
+
+
+def _usable_length(session: DecodingSession, prompt: list[int]) -> int | None:
+    """How many of the session's tokens a request for `prompt` can keep (None: no use).
+
+    Kept tokens but the last must equal the prompt's (that last one, pending, can be swapped),
+    at least one prompt token must remain to be fed, and keeping fewer than the session has
+    needs caches that can be trimmed.
+    """
+    keep = min(common_prefix(session.tokens, prompt) + 1, len(session.tokens), len(prompt) - 1)
+    if keep < 2:
+        return None
+    if keep < len(session.tokens) and session.target.checkpoint(session.cache) is not None:
+        return None  # a recurrent or rotating cache cannot be rewound
+    return keep
 
 
 def describe(cache: PromptCache) -> dict[str, Any]:
