@@ -5,9 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from tiny import drafter_config
+from tiny import OracleProposer, drafter_config
 
 from mlx_dflash.drafter2 import DFlash2DraftModel, ModelArgs
+from mlx_dflash.sampling import Proposal
 
 
 def dflash2_config(target, *, num_layers: int = 3, block_size: int = 8, layer_types=None,
@@ -54,3 +55,28 @@ def tiny_dflash2(target, seed: int = 1, **kwargs) -> tuple[DFlash2DraftModel, di
     model.load_weights(list(random_weights(model, seed).items()))
     mx.eval(model.parameters())
     return model, cfg
+
+
+class OracleSampledProposer(OracleProposer):
+    """Drafts by sampling the target's own distribution over its top-k tokens, and says so (q).
+
+    `propose_sampled` makes the engine verify by rejection sampling; the inherited `propose`
+    (the greedy oracle) is what sample-and-match verifies.
+    """
+
+    top_k = 4
+
+    def propose_sampled(self, last_token, position, block_size, temperature):
+        assert position == self.committed == len(self.tokens)
+        seq = self.tokens + [int(last_token.item())]
+        out, cands, qs = [], [], []
+        for _ in range(block_size - 1):
+            logits = self.model(mx.array(seq + out, dtype=mx.uint32)[None])[0, -1]
+            cand = mx.argpartition(logits, -self.top_k)[-self.top_k:]
+            scaled = logits[cand] * (1.0 / temperature)
+            out.append(int(cand[mx.random.categorical(scaled)].item()))
+            cands.append(cand)
+            qs.append(mx.softmax(scaled))
+        self.pending = seq[-1:] + out
+        self.last_draft = mx.array(out, dtype=mx.uint32)
+        return self.last_draft, Proposal(mx.stack(cands), mx.stack(qs))
