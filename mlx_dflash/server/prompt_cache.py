@@ -50,6 +50,8 @@ def _fresh(value: Any) -> Any:
         return mx.array(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_fresh(v) for v in value)
+    if hasattr(type(value), "state") and hasattr(value, "__dict__"):
+        return copy_cache(value)  # a cache nested in another (mlx-lm's CacheList)
     return value
 
 
