@@ -87,8 +87,10 @@ class ModelArgs(v1.ModelArgs):
         return [self.sliding_window - 1 if t == "sliding_attention" else None for t in self.layer_types_or_full]
 
     def layer_is_causal(self, layer: int) -> bool:
+        """In-block causality: `is_causal` (top level or in dflash_config) when set, else sliding layers only."""
+        causal = self.is_causal if self.is_causal is not None else self.dflash_config.get("is_causal")
         sliding = self.layer_types_or_full[layer] == "sliding_attention"
-        return sliding if self.is_causal is None else bool(self.is_causal)
+        return sliding if causal is None else bool(causal)
 
 
 def block_mask(context: int, length: int, window: int | None, causal: bool) -> mx.array | None:
