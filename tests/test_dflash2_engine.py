@@ -227,3 +227,34 @@ def test_rejection_sampling_accepts_more_than_sample_and_match(make_tokenizer):
         taus[name] = sum(lengths) / len(lengths)
     assert isinstance(generate_module.make_sampler(1.0), TargetSampler)
     assert taus["rejection"] > taus["sample-and-match"] + 0.5, taus
+
+
+def test_generate_and_bench_commands_run_a_dflash2_drafter(tmp_path):
+    """`dflash-mlx generate` and `bench` take a DFlash2 drafter directory as they take a v1 one."""
+    from mlx_dflash.cli.main import _register, app
+    from tiny import save_target
+    from typer.testing import CliRunner
+
+    _register()
+    model = tiny_target("qwen3", seed=0)
+    target_dir = save_target(model, "qwen3", tmp_path / "target")
+    _, _, drafter_dir = _saved(tmp_path, model, **SLIDING)
+
+    def run(*args: str) -> dict:
+        result = CliRunner().invoke(app, ["generate", "-m", str(target_dir), "--prompt-ids", "5,6,7,8",
+                                          "--max-tokens", "16", "--json", *args])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    greedy = run("-d", str(drafter_dir), "--block-size", "6")
+    assert greedy["draft"] is True and greedy["token_ids"] == run("--no-draft")["token_ids"]
+    sampled = run("-d", str(drafter_dir), "--block-size", "6", "--temp", "0.8", "--top-p", "0.9", "--seed", "3")
+    assert sampled["token_ids"] and sampled["finish_reason"] in ("stop", "length")
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Say something.\n")
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "-m", str(target_dir), "-d", str(drafter_dir), "--dataset",
+                                      str(prompts), "--limit", "1", "--max-tokens", "6", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["ok"] is True
