@@ -129,8 +129,10 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
 
     def __call__(
-        self, x: mx.array, rope: nn.Module, position: int, cache: DraftContextCache, layer: int
+        self, x: mx.array, rope: nn.Module, position: int, cache: DraftContextCache, layer: int,
+        mask: mx.array | None = None,
     ) -> mx.array:
+        """`mask` (L, span) limits what each block query sees (DFlash2 layers); v1 passes none."""
         B, L, _ = x.shape
         backend = kernels.backend()
         tables = kernels.rope_tables(rope, self.q_norm.weight.shape[0]) if backend else None
@@ -151,7 +153,7 @@ class Attention(nn.Module):
         # The block's K/V are written after the cached context, in place, and the
         # whole span is attended non-causally: every block position sees everything.
         keys, values = cache.attend_span(layer, k, v)
-        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=None)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
 

@@ -9,12 +9,13 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.sample_utils import make_sampler
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveDrafting
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
+from .proposer2 import dflash_proposer
+from .sampling import make_sampler
 from .session import Clock, DecodingSession
 from .speculative import DFlashProposer, Proposer
 from .target import TargetModel
@@ -97,7 +98,7 @@ def make_proposer(
     if draft_model is None or isinstance(draft_model, DFlashProposer):
         return draft_model
     if isinstance(draft_model, DFlashDraftModel):
-        return DFlashProposer(draft_model, target, max_block_size=block_size, window=draft_window)
+        return dflash_proposer(draft_model, target, max_block_size=block_size, window=draft_window)
     return draft_model  # a custom Proposer (tests, research)
 
 

@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from . import drafter2
 from .compat import TargetShape, check_compatible  # noqa: F401  (re-exported)
 from .drafter import DFlashDraftModel, ModelArgs
 from .dtypes import DTYPES, cast_floats, default_dtype  # noqa: F401  (re-exported)
@@ -19,6 +20,11 @@ from .resolve import resolve_path, target_source
 from .target import TargetModel, check_forward
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
+# `architectures` -> (model class, its args); any other name (or none) loads as v1, as it always did.
+DRAFTER_ARCHITECTURES = {
+    "DFlashDraftModel": (DFlashDraftModel, ModelArgs),
+    drafter2.ARCHITECTURE: (drafter2.DFlash2DraftModel, drafter2.ModelArgs),
+}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -47,14 +53,18 @@ def build_drafter(config: dict[str, Any], where: str, num_target_layers: int | N
     """The drafter a z-lab config describes (random weights), or one clear error."""
     if "dflash_config" not in config:
         raise DFlashError(f"{where}: config.json has no dflash_config; not a DFlash drafter")
+    architecture = (config.get("architectures") or ["DFlashDraftModel"])[0]
+    model_cls, args_cls = DRAFTER_ARCHITECTURES.get(architecture, DRAFTER_ARCHITECTURES["DFlashDraftModel"])
     try:
-        args = ModelArgs.from_dict(config)
+        args = args_cls.from_dict(config)
     except TypeError as e:
         raise DFlashError(f"{where}: incomplete drafter config ({e})") from None
+    except ValueError as e:
+        raise DFlashError(f"{where}: {e}") from None
     if num_target_layers is not None:
         args.resolve_target_layers(num_target_layers)
     try:
-        return DFlashDraftModel(args)
+        return model_cls(args)
     except ValueError as e:
         raise DFlashError(f"{where}: {e}") from None
 
@@ -86,7 +96,7 @@ def load_drafter(
     dtype: mx.Dtype | None = None,
     revision: str | None = None,
 ) -> DFlashDraftModel:
-    """Load a z-lab DFlash v1 drafter; every checkpoint key and shape is checked."""
+    """Load a z-lab DFlash drafter (v1 or DFlash2, by `architectures`); every key and shape is checked."""
     path = resolve_path(path_or_repo, DRAFTER_PATTERNS, revision)
     config = _read_json(path / "config.json")
     model = build_drafter(config, str(path), target.num_layers if target is not None else None)

@@ -16,6 +16,7 @@ import mlx.core as mx
 from .draft_cache import DraftContextCache
 from .drafter import DFlashDraftModel
 from .injection import ContextInjector
+from .sampling import draft_block, rejection_verify
 from .target import TargetModel
 
 
@@ -113,9 +114,9 @@ def speculative_step(
     """
     start = time.perf_counter()
     capture = proposer.target_layer_ids if proposer is not None else ()
-    draft, inputs = None, last_token.astype(mx.uint32)
+    draft, proposal, inputs = None, None, last_token.astype(mx.uint32)
     if proposer is not None and block_size > 1:
-        draft = proposer.propose(last_token, position, block_size)
+        draft, proposal = draft_block(proposer, sampler, last_token, position, block_size)
         inputs = mx.concatenate([inputs, draft])
         if timings is not None:
             mx.eval(draft)
@@ -125,12 +126,17 @@ def speculative_step(
     checkpoint = target.checkpoint(cache) if draft is not None else None
     hidden, features = target.forward(inputs[None], cache, capture, checkpoint)
     logits = target.logits(hidden)[0]
-    target_tokens = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    if draft is None:
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if proposal is not None:
+        # The draft was sampled from a stated q: speculative rejection sampling (`sampling.py`).
+        target_tokens, num_accepted = rejection_verify(draft, proposal, sampler.probs(logprobs))
+    elif draft is None:
+        target_tokens = sampler(logprobs)
         num_accepted = mx.array(0)
     else:
         # Accept drafted tokens while they equal the token the target itself chose at that
         # position; the target's token at the first mismatch is emitted instead (lossless).
+        target_tokens = sampler(logprobs)
         num_accepted = mx.cumprod(draft == target_tokens[:-1]).sum()
     mx.eval(target_tokens, num_accepted)  # the one host sync per cycle: a decision
     if timings is not None:

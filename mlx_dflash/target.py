@@ -94,15 +94,18 @@ class TargetModel:
         """The raw embedding rows (what the drafter consumes; no family scaling)."""
         return self.inner.embed_tokens(tokens)
 
-    def logits(self, hidden: mx.array) -> mx.array:
-        """Final-normed hidden states -> logits (the lm_head, or the tied embedding)."""
+    def head(self, hidden: mx.array) -> mx.array:
+        """The lm_head (or the tied embedding) alone, without the family's logit finishing."""
         tied = getattr(self.owner, "tie_word_embeddings", None)
         if tied is None:
             tied = getattr(self.args, "tie_word_embeddings", False)
         if tied or "lm_head" not in self.owner:
-            out = self.inner.embed_tokens.as_linear(hidden)
-        else:
-            out = self.owner.lm_head(hidden)
+            return self.inner.embed_tokens.as_linear(hidden)
+        return self.owner.lm_head(hidden)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        """Final-normed hidden states -> logits (the lm_head, or the tied embedding)."""
+        out = self.head(hidden)
         finish = self.family.finish_logits
         return finish(self.owner, out) if finish is not None else out
 
