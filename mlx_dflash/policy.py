@@ -11,8 +11,9 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
   before it, so an unseen deep position is expected to do as well as the last seen.
 - t(L) starts from a calibration (seconds per L, linear in the context length,
   measured on this machine: `calibration.py`) or, without one, from a generic
-  shape; measured cycles correct it per L by a smoothed ratio, so t(L) follows the
-  machine's load and the growing context.
+  shape; measured cycles correct it per L (sizes not measured lately follow a line
+  through the others' corrections), so t(L) follows the machine's load and the
+  growing context.
 
 Greedily exploiting estimates would never learn that an unused size became better,
 so every `interval` cycles the runner-up is tried; the interval doubles while such
@@ -124,17 +125,19 @@ class AcceptanceModel:
             self.reached[k] = keep * self.reached[k] + 1.0
             self.accepted[k] = keep * self.accepted[k] + (k < accepted)
 
-    def rates(self) -> list[float]:
+    def rates(self, optimism: float = 0.0) -> list[float]:
+        """Estimated acceptance per position; `optimism` adds c / (observations + 1), for
+        choosing: a drafter not seen yet gets tried, one seen a few times is judged on that."""
         out, prior = [], self.prior_mean
         for r, a in zip(self.reached, self.accepted, strict=True):
             prior = (a + self.prior_strength * prior) / (r + self.prior_strength)
-            out.append(prior)
+            out.append(min(prior + optimism / (r + 1.0), 1.0) if optimism else prior)
         return out
 
-    def expected_tokens(self) -> list[float]:
+    def expected_tokens(self, optimism: float = 0.0) -> list[float]:
         """E[committed tokens | block L] for L = 0..depth + 1 (index L; E[0] unused)."""
         out, total, reach = [0.0, 1.0], 1.0, 1.0
-        for p in self.rates():
+        for p in self.rates(optimism):
             reach *= p
             total += reach
             out.append(total)
@@ -148,33 +151,60 @@ def generic_cost(size: int) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per cycle for each block size: base(L, position) x a measured correction."""
+    """Seconds per cycle of each block size: base(L, position) plus a measured correction.
+
+    Corrections are additive and smoothed per size. A size not measured lately takes the
+    value of a line (in L) through the other sizes' corrections, weighted by how recent
+    they are: the costs that drift, attention over a growing context above all, grow with L.
+    """
 
     base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
     smoothing: float = 0.25
-    scale: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
-    overall: float | None = None  # the same over every size (for sizes not measured yet)
+    stale_after: int = 32  # observations after which a size's own correction gives way to the line
+    unit: float | None = None  # uncalibrated: seconds per `generic_cost` unit, from the first cycle
+    correction: dict[int, float] = field(default_factory=dict)  # L -> measured - base, smoothed
+    updated: dict[int, int] = field(default_factory=dict)  # L -> observation count at its last update
+    observations: int = 0
+    _line: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (mean L, mean correction, slope)
 
-    def base_seconds(self, size: int, position: int) -> float:
+    def base_seconds(self, size: int, position: int) -> float | None:
         if size in self.base:
             a, b = self.base[size]
             return max(a + b * position, 1e-6)
-        return generic_cost(size)
+        return self.unit * generic_cost(size) if self.unit else None
 
     def predict(self, size: int, position: int) -> float:
-        scale = self.scale.get(size, self.overall)
-        if scale is None:
-            scale = 1.0 if self.base else 0.0  # uncalibrated and unmeasured: no opinion yet
-        return scale * self.base_seconds(size, position)
+        """Expected seconds of a cycle of `size` (0.0: no opinion yet)."""
+        base = self.base_seconds(size, position)
+        if base is None:
+            return 0.0
+        fresh = size in self.correction and self.observations - self.updated[size] <= self.stale_after
+        if fresh:
+            extra = self.correction[size]
+        else:
+            mean_l, mean_c, slope = self._line
+            extra = mean_c + slope * (size - mean_l)
+        return max(base + extra, 0.2 * base)
 
     def observe(self, size: int, position: int, seconds: float) -> None:
-        ratio = seconds / self.base_seconds(size, position)
-        old = self.scale.get(size)
-        self.scale[size] = ratio if old is None else old + self.smoothing * (ratio - old)
-        if self.overall is None:
-            self.overall = ratio
-        else:
-            self.overall += self.smoothing * (ratio - self.overall)
+        if self.base_seconds(size, position) is None:
+            self.unit = seconds / generic_cost(size)  # uncalibrated: the generic shape, in seconds
+        extra = seconds - self.base_seconds(size, position)
+        old = self.correction.get(size)
+        self.correction[size] = extra if old is None else old + self.smoothing * (extra - old)
+        self.observations += 1
+        self.updated[size] = self.observations
+        self._fit_line()
+
+    def _fit_line(self) -> None:
+        points = [(L, c, 0.5 ** ((self.observations - self.updated[L]) / self.stale_after))
+                  for L, c in self.correction.items()]
+        total = sum(w for _, _, w in points)
+        mean_l = sum(w * L for L, _, w in points) / total
+        mean_c = sum(w * c for _, c, w in points) / total
+        var = sum(w * (L - mean_l) ** 2 for L, _, w in points)
+        cov = sum(w * (L - mean_l) * (c - mean_c) for L, c, w in points)
+        self._line = (mean_l, mean_c, cov / var if var > 0 else 0.0)
 
 
 @dataclass
@@ -185,6 +215,7 @@ class AutoBlockSize:
     base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
     probe_every: int = 8
     max_probe_every: int = 64
+    optimism: float = 0.3  # acceptance bonus for rarely seen positions when choosing
     sizes: list[int] = field(default_factory=list)
     acceptance: AcceptanceModel | None = None
     costs: CostModel | None = None
@@ -212,9 +243,9 @@ class AutoBlockSize:
         """A new generation starts: the time since the last cycle is not overhead."""
         self._last_end = None
 
-    def scores(self, position: int) -> dict[int, float]:
+    def scores(self, position: int, optimism: float = 0.0) -> dict[int, float]:
         """Expected committed tokens per second for every candidate size."""
-        expected = self.acceptance.expected_tokens()
+        expected = self.acceptance.expected_tokens(optimism)
         return {L: expected[L] / (self.costs.predict(L, position) + self.overhead + 1e-9) for L in self.sizes}
 
     def choose(self, limit: int, position: int) -> int:
@@ -235,9 +266,9 @@ class AutoBlockSize:
     def _pick(self, position: int) -> int:
         # Measure each of the extremes once before trusting a model that has seen nothing.
         for size in (self.sizes[-1], 1):
-            if size not in self.costs.scale and not self.costs.base:
+            if size not in self.costs.correction and not self.costs.base:
                 return size
-        ranked = sorted(self.sizes, key=self.scores(position).__getitem__, reverse=True)
+        ranked = sorted(self.sizes, key=self.scores(position, self.optimism).__getitem__, reverse=True)
         best, runner_up = ranked[0], ranked[1]
         if best != self._best:  # the choice changed: watch the alternatives closely again
             self._best, self._interval, self._since_probe = best, self.probe_every, 0
