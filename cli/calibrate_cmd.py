@@ -13,6 +13,17 @@ from rich.table import Table
 from .app import app, err_console
 
 
+def block_size_option(value: str) -> str:
+    """Typer callback: `--block-size` takes auto or a positive integer (else a usage error)."""
+    from mlx_dflash.errors import DFlashError
+    from mlx_dflash.policy import parse_block_size
+
+    try:
+        return str(parse_block_size(value))
+    except DFlashError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool = False) -> Any:
     """The calibration seeding `--block-size auto` (cached; measured with a progress line when
     missing); None for a fixed block size or without a drafter. Warnings are printed here."""
@@ -69,4 +80,4 @@ def calibrate(
                     highlight=False)
 
 
-__all__ = ["calibrate", "calibration_for"]
+__all__ = ["block_size_option", "calibrate", "calibration_for"]

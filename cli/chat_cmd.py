@@ -21,7 +21,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app
-from .calibrate_cmd import calibration_for
+from .calibrate_cmd import block_size_option, calibration_for
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
@@ -361,7 +361,7 @@ def chat(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens per reply.")] = 1024,
-    block_size: Annotated[str, typer.Option("--block-size", help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine; the output is the same either way) or a fixed N (1: plain decoding).")] = DEFAULT_BLOCK_SIZE,
+    block_size: Annotated[str, typer.Option("--block-size", callback=block_size_option, help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine; the output is the same either way) or a fixed N (1: plain decoding).")] = DEFAULT_BLOCK_SIZE,
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,

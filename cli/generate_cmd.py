@@ -12,7 +12,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app, err_console, fail
-from .calibrate_cmd import calibration_for
+from .calibrate_cmd import block_size_option, calibration_for
 
 JSON_SCHEMA_VERSION = 1
 
@@ -61,7 +61,7 @@ def generate(
     top_k: Annotated[int, typer.Option("--top-k", min=0, help="Top-k sampling (0: off).")] = 0,
     min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed (sampling is reproducible).")] = None,
-    block_size: Annotated[str, typer.Option("--block-size", help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine) or a fixed N.")] = DEFAULT_BLOCK_SIZE,
+    block_size: Annotated[str, typer.Option("--block-size", callback=block_size_option, help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine) or a fixed N.")] = DEFAULT_BLOCK_SIZE,
     draft_window: Annotated[int | None, typer.Option("--draft-window", min=1, help="Drafter attends only the last N context tokens.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (baseline).")] = False,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,

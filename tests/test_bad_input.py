@@ -266,7 +266,8 @@ def test_cli_errors_in_process(pair, tmp_path, capsys, monkeypatch, args, words)
 
 @pytest.mark.parametrize("args", [["generate", "--model", "x", "--max-tokens", "0"],
                                   ["generate", "--model", "x", "--temp", "-1"],
-                                  ["generate", "--model", "x", "--block-size", "1"],
+                                  ["generate", "--model", "x", "--block-size", "0"],
+                                  ["generate", "--model", "x", "--block-size", "big"],
                                   ["generate"],
                                   ["no-such-command"]])
 def test_cli_usage_errors_in_process(capsys, args):
