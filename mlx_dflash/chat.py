@@ -24,12 +24,13 @@ from .generate import (
     GenerationEvent,
     GenerationStats,
     acceptance_histogram,
+    check_block_size,
     make_proposer,
     mean_acceptance,
     stream_session,
 )
 from .session import DecodingSession
-from .target import TargetModel
+from .target import TargetModel, as_target
 
 
 class ContextOverflowError(DFlashError):
@@ -40,8 +41,10 @@ class ContextOverflowError(DFlashError):
 class ChatSettings:
     temp: float = 0.0
     top_p: float = 0.0
+    top_k: int = 0
+    min_p: float = 0.0
     max_tokens: int = 512
-    block_size: int = 16  # 1 or no drafter: plain decoding
+    block_size: int | None = None  # None: the drafter's; 1 or no drafter: plain decoding
     think: bool | None = None  # None: the template's default
     system: str | None = None
     adaptive: bool = True  # draft only while drafting measures cheaper than plain steps
@@ -106,14 +109,12 @@ class ChatEngine:
         settings: ChatSettings | None = None,
         max_context: int | None = None,
     ):
-        self.target = model if isinstance(model, TargetModel) else TargetModel(model)
+        self.target = as_target(model)
         self.tokenizer = tokenizer
         self.draft_model = draft_model
         self.settings = settings or ChatSettings()
-        self.max_block_size = max(getattr(draft_model, "block_size", 1), 1) if draft_model is not None else 1
-        if draft_model is None:
-            self.settings.block_size = 1
-        self.settings.block_size = min(self.settings.block_size, self.max_block_size)
+        self.max_block_size = check_block_size(None, draft_model)
+        self.settings.block_size = check_block_size(self.settings.block_size, draft_model)
         self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None)
         if not getattr(tokenizer, "chat_template", None):
             raise DFlashError("this model's tokenizer has no chat template; chat needs one")
@@ -161,12 +162,9 @@ class ChatEngine:
         return full[len(self.session.tokens):]
 
     def set_block_size(self, n: int) -> None:
-        if not 1 <= n <= self.max_block_size:
-            raise DFlashError(
-                f"block size must be between 1 and {self.max_block_size}"
-                + (" (no drafter: plain decoding)" if self.draft_model is None else " (the drafter's)")
-            )
-        self.settings.block_size = n
+        if self.draft_model is None and n != 1:
+            raise DFlashError("block size must be 1 (no drafter: plain decoding)")
+        self.settings.block_size = check_block_size(n, self.draft_model)
 
     def request_stop(self) -> None:
         """Ask the running reply to stop at the end of its current cycle (signal-safe)."""
@@ -193,7 +191,8 @@ class ChatEngine:
         new = self.sync(full)
         reused = len(self.session.tokens)
         self.messages.append({"role": "user", "content": text})
-        sampler = make_sampler(self.settings.temp, top_p=self.settings.top_p)
+        s = self.settings
+        sampler = make_sampler(s.temp, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
         stream = stream_session(
             self.session, new, sampler, max_tokens=max_tokens, block_size=self.settings.block_size,
             stop=self.stop, detokenizer=self.tokenizer.detokenizer,

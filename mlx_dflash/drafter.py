@@ -230,6 +230,13 @@ class DFlashDraftModel(nn.Module):
             h = layer(h, self.rope, position, cache, i)
         return self.norm(h)
 
+    def quantize_packed(self, weights: dict[str, mx.array]) -> None:
+        """Quantize, as the config's `quantization` block says, each layer `weights` holds packed."""
+        q = self.args.quantization
+        if q:
+            nn.quantize(self, group_size=q["group_size"], bits=q["bits"],
+                        class_predicate=lambda path, m: hasattr(m, "to_quantized") and f"{path}.scales" in weights)
+
     def sanitize(self, weights: dict[str, mx.array]) -> dict[str, mx.array]:
         # Some exports prefix keys with `model.`; the embedding and lm_head, if a
         # checkpoint carries them, belong to the target and are dropped.

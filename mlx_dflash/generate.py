@@ -12,13 +12,13 @@ import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .adaptive import AdaptiveDrafting
-from .drafter import DFlashDraftModel
+from .drafter import DEFAULT_BLOCK_SIZE, DFlashDraftModel
 from .errors import DFlashError
 from .proposer2 import dflash_proposer
 from .sampling import make_sampler
 from .session import Clock, DecodingSession
 from .speculative import DFlashProposer, Proposer
-from .target import TargetModel
+from .target import TargetModel, as_target
 
 
 def mean_acceptance(lengths: Sequence[int]) -> float:
@@ -85,8 +85,28 @@ class GenerationEvent:
         return self.tokens[-1] if len(self.tokens) > self.num_draft_accepted else None
 
 
-def _as_target(model: nn.Module | TargetModel) -> TargetModel:
-    return model if isinstance(model, TargetModel) else TargetModel(model)
+def trained_block_size(draft_model: DFlashDraftModel | Proposer | None) -> int | None:
+    """The block size the drafter was trained for (None: a proposer that declares none)."""
+    if isinstance(draft_model, DFlashProposer):
+        return draft_model.drafter.block_size
+    return getattr(draft_model, "block_size", None)
+
+
+def check_block_size(block_size: int | None, draft_model: DFlashDraftModel | Proposer | None) -> int:
+    """The block size to decode with: by default the drafter's; larger than its trained block is refused.
+
+    Without a drafter it is 1 (plain decoding), whatever was asked.
+    """
+    if block_size is not None and block_size < 1:
+        raise DFlashError(f"block size must be >= 1, got {block_size}")
+    if draft_model is None:
+        return 1
+    trained = trained_block_size(draft_model)
+    if block_size is None:
+        return trained or DEFAULT_BLOCK_SIZE
+    if trained is not None and block_size > trained:
+        raise DFlashError(f"block size {block_size} exceeds the drafter's trained block size {trained}")
+    return block_size
 
 
 def make_proposer(
@@ -128,16 +148,13 @@ def stream_generate(
     `adaptive` drafts only while drafting measures cheaper per token than plain
     steps (see `AdaptiveDrafting`); the output is the same either way.
     """
-    target = _as_target(model)
+    target = as_target(model)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not ids:
         raise DFlashError("the prompt is empty: give at least one token")
     if max_tokens < 0:
         raise DFlashError(f"max_tokens must be >= 0, got {max_tokens}")
-    if block_size is None:
-        block_size = getattr(draft_model, "block_size", 16) if draft_model is not None else 1
-    if block_size < 1:
-        raise DFlashError(f"block size must be >= 1, got {block_size}")
+    block_size = check_block_size(block_size, draft_model)
     if draft_window is not None and draft_window < 1:
         raise DFlashError(f"draft window must be >= 1 token, got {draft_window}")
     if seed is not None:

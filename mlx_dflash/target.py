@@ -22,12 +22,16 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+import mlx_lm
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
 from .errors import DFlashError
 from .families import FAMILIES, MixerInputs, TargetFamily
 
 _TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+# The mlx-lm releases whose model internals `families.py` was checked against (pyproject.toml pins the same).
+MLX_LM_TESTED = ">=0.29,<0.33"
+_SELF_CHECK_TOKENS = [[1, 5, 9, 2, 7, 3]]
 
 
 @dataclass
@@ -50,6 +54,29 @@ def family_for(model_type: str) -> TargetFamily:
         f"target model type '{model_type}' is not supported; supported types: "
         + ", ".join(supported_model_types())
     )
+
+
+def as_target(model: nn.Module | TargetModel) -> TargetModel:
+    """`model` wrapped for the engine (a TargetModel passes through unchanged)."""
+    return model if isinstance(model, TargetModel) else TargetModel(model)
+
+
+def check_forward(target: TargetModel) -> None:
+    """Refuse a target whose rebuilt forward differs from the model's own `model(x)`.
+
+    `families.py` re-runs each family from mlx-lm's parts (private ones included); an
+    mlx-lm release that changes them must fail here, not silently decode another model.
+    Both passes run the same ops on the same inputs, so equality is exact.
+    """
+    tokens = mx.array(_SELF_CHECK_TOKENS, dtype=mx.uint32)
+    hidden, _ = target.forward(tokens, target.make_cache())
+    ours, theirs = target.logits(hidden), target.model(tokens, cache=target.make_cache())
+    if not mx.array_equal(ours, theirs).item():
+        gap = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
+        raise DFlashError(
+            f"mlx-lm {mlx_lm.__version__}: mlx-dflash's forward of this {target.model_type} model differs "
+            f"from the model's own (max logit gap {gap:.3g}); mlx-dflash is tested with mlx-lm{MLX_LM_TESTED}"
+        )
 
 
 def _copy_state(state: Any) -> Any:

@@ -244,8 +244,11 @@ def test_totals_histogram_and_block_size_limits(pair):
     assert totals.acceptance_lengths == a.stats.acceptance_lengths + b.stats.acceptance_lengths
     assert sum(totals.histogram) == len(totals.acceptance_lengths)
     assert totals.generated_tokens == len(a.tokens) + len(b.tokens)
-    with pytest.raises(DFlashError, match="between 1 and 8"):
+    assert engine.settings.block_size == 8  # the drafter's trained block by default
+    with pytest.raises(DFlashError, match="exceeds the drafter's trained block size 8"):
         engine.set_block_size(9)
+    with pytest.raises(DFlashError, match="exceeds the drafter's trained block size 8"):
+        ChatEngine(model, tokenizer, drafter, ChatSettings(block_size=9))
     engine.set_block_size(1)  # block 1: the target decodes alone, still through the session
     c = run_turn(engine, "three")
     assert set(c.stats.acceptance_lengths) <= {1}

@@ -169,14 +169,37 @@ def test_embedded_default_drafter_is_used_when_shipped(pair, monkeypatch):
 
 
 def test_quantized_target_goes_through_the_converted_cache(pair, tmp_path, monkeypatch):
+    from tiny import greedy_reference
+
+    import mlx_dflash
+    from mlx_dflash import convert as convert_package
+
     monkeypatch.setenv("MLX_DFLASH_CACHE", str(tmp_path))
+    conversions = []
+    real_convert = convert_package.convert
+
+    def counted(*args, **kwargs):
+        conversions.append(args[1])
+        return real_convert(*args, **kwargs)
+
+    monkeypatch.setattr(convert_package, "convert", counted)
+    replies = []
     for _ in range(2):  # converted on first use, reused after
-        result = chat(pair, "hi\n", "--q-bits", "8", "--max-tokens", "4")
+        result = chat(pair, "hi\n", "--q-bits", "8", "--max-tokens", "6")
         assert result.exit_code == 0, result.output
         out = " ".join(result.output.split())
-        assert "8-bit quantized (converted cache)" in out and 1 <= summaries(out)[0][0] <= 4
+        assert "8-bit quantized (converted cache)" in out and 1 <= summaries(out)[0][0] <= 6
+        replies.append(re.search(r"^>>> (.*?)\n\d+ tokens · ", result.output, re.MULTILINE | re.DOTALL).group(1))
     entries = list((tmp_path / "converted").iterdir())
     assert len(entries) == 1 and str(entries[0]) in "".join(result.output.split())  # the target line shows it
+    assert conversions == [entries[0]]  # the second run found the entry and did not convert again
+    # The reply is the converted (8-bit) model's own greedy reply.
+    model, tokenizer, _ = mlx_dflash.load(str(entries[0]))
+    assert hasattr(model.model.layers[0].self_attn.q_proj, "scales")
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
+    expected = greedy_reference(model, list(ids), 6)
+    expected = expected[: expected.index(EOS_ID)] if EOS_ID in expected else expected
+    assert expected and replies == [tokenizer.decode(expected)] * 2
 
 
 def test_bad_model_is_one_line_without_traceback(tmp_path):

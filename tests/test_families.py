@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.utils import _get_classes
 from tiny import (
@@ -25,6 +26,7 @@ from tiny import (
 import mlx_dflash
 from mlx_dflash.generate import make_sampler
 from mlx_dflash.session import DecodingSession
+from mlx_dflash.speculative import DFlashProposer
 from mlx_dflash.target import TargetModel, supported_model_types
 
 H = 64
@@ -193,21 +195,63 @@ def test_broken_rollback_is_caught(targets, monkeypatch):
     assert out != ref
 
 
-def test_truncate_recomputes_recurrent_state(targets):
-    """Chat drops a reply: a hybrid session rewinds by recomputing, then continues exactly."""
-    model = targets["qwen3_next"]
+def assert_same_state(session: DecodingSession, fresh: DecodingSession) -> None:
+    """Two sessions hold the same committed state: target caches (K/V, recurrent) and draft context."""
+    assert session.tokens == fresh.tokens
+    for ours, theirs in zip(session.cache, fresh.cache, strict=True):
+        assert type(ours) is type(theirs) and getattr(ours, "offset", None) == getattr(theirs, "offset", None)
+        a, b = tree_flatten(ours.state), tree_flatten(theirs.state)
+        assert [k for k, _ in a] == [k for k, _ in b] and a
+        for (_, x), (_, y) in zip(a, b, strict=True):
+            if not isinstance(x, mx.array):
+                assert x == y
+                continue
+            assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5, rtol=1e-5).item()
+    if session.proposer is not None and hasattr(session.proposer, "cache"):
+        session.inject_pending()  # queued features belong to the committed draft context
+        fresh.inject_pending()
+        draft, other = session.proposer.cache, fresh.proposer.cache
+        assert draft.offset == other.offset == len(session.tokens) - 1
+        # A draft window keeps at least its last `window` positions, however it got there: compare those.
+        n = min(draft.window or draft.offset, draft.offset)
+        assert draft.stored >= n and other.stored >= n
+        for a, b in zip(draft.state_arrays(), other.state_arrays(), strict=True):
+            x, y = a[..., draft.stored - n : draft.stored, :], b[..., other.stored - n : other.stored, :]
+            assert mx.allclose(x, y, atol=1e-5, rtol=1e-5).item()
+
+
+def decode(session: DecodingSession, sampler, n: int, block: int) -> list[int]:
+    start = len(session.tokens)
+    while len(session.tokens) < start + n:
+        verified = session.step(sampler, block)
+        session.keep(verified, len(verified.tokens))
+    return session.tokens[start : start + n]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "gemma3_text"])
+def test_truncate_recomputes_recurrent_state(targets, model_type):
+    """Chat drops a reply: a hybrid or sliding-window session rewinds by recomputing, state and all."""
+    model = targets[model_type]
     target = TargetModel(model)
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
     greedy = make_sampler(0.0)
-    session = DecodingSession(target)
-    session.extend([5, 6, 7, 8], greedy)
-    for _ in range(5):
-        verified = session.step(greedy, 1)
-        session.keep(verified, 1)
-    session.truncate(6)
-    session.extend([9, 10], greedy)
-    fresh = DecodingSession(target)
+
+    def new_session():
+        return DecodingSession(target, DFlashProposer(drafter, target, max_block_size=6))
+
+    session = new_session()
+    prompt = [5, 6, 7, 8, 30, 31, 32, 33, 34, 35]
+    session.extend(prompt, greedy)
+    decode(session, greedy, 12, 6)
+    keep = len(prompt) + 4
+    session.truncate(keep)
+    fresh = new_session()
     fresh.extend(session.tokens[:-1], greedy)
-    assert fresh.tokens == session.tokens
+    assert_same_state(session, fresh)  # caches, recurrent states and draft context, not only tokens
+    session.extend([9, 10], greedy)
+    fresh.extend([9, 10], greedy)
+    history = session.tokens[:-1]
+    assert decode(session, greedy, 20, 6) == decode(fresh, greedy, 20, 6) == greedy_reference(model, history, 21)[1:]
 
 
 def test_a_layer_captured_twice_fills_both_slots():

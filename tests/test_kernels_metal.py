@@ -28,6 +28,7 @@ from tiny import tiny_drafter, tiny_target
 from mlx_dflash import kernels
 from mlx_dflash.draft_cache import DraftContextCache
 from mlx_dflash.injection import ContextInjector, inject_context_kv_reference
+from mlx_dflash.kernels import _common
 
 BACKENDS = [
     pytest.param("metal", marks=pytest.mark.skipif(
@@ -80,25 +81,45 @@ def test_block_qk_on_device(backend, B, L, num_heads, num_kv_heads, head_dim, of
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="the engine selects kernels only on Metal")
 def test_engine_uses_kernels_and_matches_kill_switch(monkeypatch):
+    """The engine's draft step on Metal launches the kernels and equals the pure path (fp32, 1e-5)."""
     target = tiny_target("qwen3")
     drafter = tiny_drafter(target)
     injector = ContextInjector(drafter)
     args = drafter.args
     rng = np.random.default_rng(5)
-    hidden = mx.array(rng.standard_normal((1, 11, len(drafter.target_layer_ids) * args.hidden_size)), dtype=F32)
+    features = len(drafter.target_layer_ids) * args.hidden_size
+    chunks = [mx.array(rng.standard_normal((1, n, features)), dtype=F32) for n in (9, 3)]
     block = mx.array(rng.standard_normal((1, args.block_size, args.hidden_size)), dtype=F32)
 
     def draft_step():
         cache = DraftContextCache(args.num_hidden_layers, args.num_key_value_heads, args.head_dim,
                                   max_block_size=args.block_size)
-        injector(hidden, 0, cache)
-        out = drafter(block, cache, hidden.shape[1] - 1)
-        mx.eval(out)
-        return out
+        for chunk in chunks:
+            injector(chunk, cache.offset, cache)
+        assert cache.offset == 12
+        # The block starts where the engine starts it: at the first position the cache does not hold.
+        out = drafter(block, cache, cache.offset)
+        context = [k[..., : cache.stored, :] for k in cache.keys + cache.values]
+        mx.eval(out, context)
+        return out, context
 
+    launches = []
+    real_compiled = _common.compiled
+
+    def counted(spec, kind):
+        launches.append((spec.name, kind))
+        return real_compiled(spec, kind)
+
+    monkeypatch.setattr(_common, "compiled", counted)
     monkeypatch.delenv(kernels.KILL_SWITCH_ENV, raising=False)
     assert kernels.backend() == "metal"
-    with_kernels = draft_step()
+    with_kernels, kernel_context = draft_step()
+    # The kernels really ran: two injections, then one block launch per draft layer.
+    assert launches == [("dflash_context_kv", "metal")] * 2 + [("dflash_block_qk", "metal")] * args.num_hidden_layers
     monkeypatch.setenv(kernels.KILL_SWITCH_ENV, "1")
-    without = draft_step()
-    np.testing.assert_allclose(f32(with_kernels), f32(without), rtol=1e-3, atol=1e-3)
+    launches.clear()
+    without, pure_context = draft_step()
+    assert launches == []  # the kill switch keeps the pure path
+    for got, want in zip(kernel_context, pure_context, strict=True):
+        np.testing.assert_allclose(f32(got), f32(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(f32(with_kernels), f32(without), rtol=1e-5, atol=1e-5)

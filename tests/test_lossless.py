@@ -15,6 +15,7 @@ import pytest
 from conftest import FAMILIES
 from tiny import VOCAB, ScriptedProposer, greedy_reference
 
+from mlx_dflash import session as session_module
 from mlx_dflash import stream_generate
 from mlx_dflash.target import TargetModel
 
@@ -90,7 +91,7 @@ def test_greedy_is_lossless(family, index, targets, drafters, make_tokenizer):
     expected, finish = expected_output(reference, set(stop_tokens) | set(eos_ids), max_tokens)
 
     if case["proposer"] == "dflash":
-        draft = drafters(family)
+        draft = drafters(family, block_size=16)  # trained for every block size the cases draw
     else:
         sequence = prompt + greedy_reference(model, prompt, max_tokens + block_size)
         draft = ScriptedProposer(sequence, VOCAB, error_rate=case["error_rate"], seed=case["seed"],
@@ -106,6 +107,29 @@ def test_greedy_is_lossless(family, index, targets, drafters, make_tokenizer):
                                 stop_tokens=stop_tokens)
     assert baseline == expected, case
     assert set(base_events[-1].stats.acceptance_lengths) <= {1}
+
+
+@pytest.mark.parametrize("index", [1, 3, 6])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_greedy_is_lossless_across_prefill_chunks(family, index, targets, drafters, make_tokenizer, monkeypatch):
+    """Prompts longer than PREFILL_CHUNK (2048 in use) are fed in chunks: the same cases, 7-token chunks."""
+    case = make_case(family, index)
+    model, prompt = targets(family), case["prompt"]
+    assert len(prompt) > 7
+    reference = greedy_reference(model, prompt, case["max_tokens"])
+    if case["proposer"] == "dflash":
+        draft, fresh_draft = drafters(family, block_size=16), drafters(family, block_size=16)
+    else:
+        sequence = prompt + greedy_reference(model, prompt, case["max_tokens"] + case["block_size"])
+        draft, fresh_draft = (ScriptedProposer(sequence, VOCAB, error_rate=case["error_rate"], seed=case["seed"],
+                                               target_layer_ids=case["layer_ids"]) for _ in range(2))
+    options = dict(max_tokens=case["max_tokens"], block_size=case["block_size"])
+    whole, whole_events = run(model, make_tokenizer(()), prompt, fresh_draft, **options)
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 7)
+    chunked, events = run(model, make_tokenizer(()), prompt, draft, **options)
+    assert chunked == whole == reference, case
+    # The drafter saw the same context at the same positions: it drafted the same blocks.
+    assert events[-1].stats.acceptance_lengths == whole_events[-1].stats.acceptance_lengths
 
 
 @pytest.mark.parametrize("block_size", [2, 5, 8, 16])

@@ -6,11 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..drafter import DFlashDraftModel
-from ..generate import stream_generate
+from ..generate import mean_acceptance, stream_generate
 from ..target import TargetModel
 
 
@@ -26,10 +25,7 @@ def frozen_copy(drafter: DFlashDraftModel) -> DFlashDraftModel:
     """An inference copy: the engine re-points k/v projections, which must not touch training weights."""
     weights = dict(tree_flatten(drafter.parameters()))
     copy = DFlashDraftModel(drafter.args)
-    q = drafter.args.quantization
-    if q:  # an exported, quantized drafter: give the copy the same packed layers
-        nn.quantize(copy, group_size=q["group_size"], bits=q["bits"],
-                    class_predicate=lambda path, m: hasattr(m, "to_quantized") and f"{path}.scales" in weights)
+    copy.quantize_packed(weights)  # an exported, quantized drafter: the same packed layers
     copy.load_weights(list(weights.items()))
     copy.eval()
     return copy
@@ -49,5 +45,4 @@ def measure_tau(target: TargetModel, tokenizer: Any, drafter: DFlashDraftModel |
         if stats is not None:
             lengths.extend(stats.acceptance_lengths)
             tokens += stats.num_tokens
-    tau = sum(lengths) / len(lengths) if lengths else 0.0
-    return TauReport(tau, lengths, len(prompts), tokens)
+    return TauReport(mean_acceptance(lengths), lengths, len(prompts), tokens)
