@@ -11,9 +11,8 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
   before it, so an unseen deep position is expected to do as well as the last seen.
 - t(L) starts from a calibration (seconds per L, linear in the context length,
   measured on this machine: `calibration.py`) or, without one, from a generic
-  shape; measured cycles correct it per L (sizes not measured lately follow a line
-  through the others' corrections), so t(L) follows the machine's load and the
-  growing context.
+  shape; measured cycles correct it per L by a smoothed ratio (sizes not measured
+  lately take the others'), so t(L) follows the machine's load.
 
 Greedily exploiting estimates would never learn that an unused size became better,
 so every `interval` cycles the runner-up is tried; the interval doubles while such
@@ -151,21 +150,21 @@ def generic_cost(size: int) -> float:
 
 @dataclass
 class CostModel:
-    """Seconds per cycle of each block size: base(L, position) plus a measured correction.
+    """Seconds per cycle of each block size: base(L, position) x a measured correction.
 
-    Corrections are additive and smoothed per size. A size not measured lately takes the
-    value of a line (in L) through the other sizes' corrections, weighted by how recent
-    they are: the costs that drift, attention over a growing context above all, grow with L.
+    The base carries how costs grow with the context (calibrated per size); the smoothed
+    ratio measured / base per size follows the machine's load. A size not measured lately
+    takes the others' ratio, recent ones weighing most (no extrapolation across sizes).
     """
 
     base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
     smoothing: float = 0.25
-    stale_after: int = 32  # observations after which a size's own correction gives way to the line
+    stale_after: int = 32  # observations after which a size's own ratio gives way to the others'
     unit: float | None = None  # uncalibrated: seconds per `generic_cost` unit, from the first cycle
-    correction: dict[int, float] = field(default_factory=dict)  # L -> measured - base, smoothed
+    ratio: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
     updated: dict[int, int] = field(default_factory=dict)  # L -> observation count at its last update
     observations: int = 0
-    _line: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (mean L, mean correction, slope)
+    _shared: float = 1.0  # recency-weighted mean ratio over the sizes
 
     def base_seconds(self, size: int, position: int) -> float | None:
         if size in self.base:
@@ -178,33 +177,19 @@ class CostModel:
         base = self.base_seconds(size, position)
         if base is None:
             return 0.0
-        fresh = size in self.correction and self.observations - self.updated[size] <= self.stale_after
-        if fresh:
-            extra = self.correction[size]
-        else:
-            mean_l, mean_c, slope = self._line
-            extra = mean_c + slope * (size - mean_l)
-        return max(base + extra, 0.2 * base)
+        fresh = size in self.ratio and self.observations - self.updated[size] <= self.stale_after
+        return base * (self.ratio[size] if fresh else self._shared)
 
     def observe(self, size: int, position: int, seconds: float) -> None:
         if self.base_seconds(size, position) is None:
             self.unit = seconds / generic_cost(size)  # uncalibrated: the generic shape, in seconds
-        extra = seconds - self.base_seconds(size, position)
-        old = self.correction.get(size)
-        self.correction[size] = extra if old is None else old + self.smoothing * (extra - old)
+        measured = seconds / self.base_seconds(size, position)
+        old = self.ratio.get(size)
+        self.ratio[size] = measured if old is None else old + self.smoothing * (measured - old)
         self.observations += 1
         self.updated[size] = self.observations
-        self._fit_line()
-
-    def _fit_line(self) -> None:
-        points = [(L, c, 0.5 ** ((self.observations - self.updated[L]) / self.stale_after))
-                  for L, c in self.correction.items()]
-        total = sum(w for _, _, w in points)
-        mean_l = sum(w * L for L, _, w in points) / total
-        mean_c = sum(w * c for _, c, w in points) / total
-        var = sum(w * (L - mean_l) ** 2 for L, _, w in points)
-        cov = sum(w * (L - mean_l) * (c - mean_c) for L, c, w in points)
-        self._line = (mean_l, mean_c, cov / var if var > 0 else 0.0)
+        weights = {L: 0.5 ** ((self.observations - t) / self.stale_after) for L, t in self.updated.items()}
+        self._shared = sum(w * self.ratio[L] for L, w in weights.items()) / sum(weights.values())
 
 
 @dataclass
@@ -266,7 +251,7 @@ class AutoBlockSize:
     def _pick(self, position: int) -> int:
         # Measure each of the extremes once before trusting a model that has seen nothing.
         for size in (self.sizes[-1], 1):
-            if size not in self.costs.correction and not self.costs.base:
+            if size not in self.costs.ratio and not self.costs.base:
                 return size
         ranked = sorted(self.sizes, key=self.scores(position, self.optimism).__getitem__, reverse=True)
         best, runner_up = ranked[0], ranked[1]
