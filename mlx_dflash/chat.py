@@ -10,6 +10,7 @@ session fed the same rendered history.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,6 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
-from .adaptive import AdaptiveDrafting
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .generate import (
@@ -29,6 +29,7 @@ from .generate import (
     mean_acceptance,
     stream_session,
 )
+from .policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
 from .session import DecodingSession
 from .target import TargetModel, as_target
 
@@ -44,10 +45,9 @@ class ChatSettings:
     top_k: int = 0
     min_p: float = 0.0
     max_tokens: int = 512
-    block_size: int | None = None  # None: the drafter's; 1 or no drafter: plain decoding
+    block_size: int | str | None = DEFAULT_BLOCK_SIZE  # "auto" (or None): chosen each cycle; 1: plain
     think: bool | None = None  # None: the template's default
     system: str | None = None
-    adaptive: bool = True  # draft only while drafting measures cheaper than plain steps
 
 
 @dataclass
@@ -79,6 +79,20 @@ class SessionTotals:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)
+    block_sizes: list[int] = field(default_factory=list)  # each cycle's block size
+    predicted_tokens: float = 0.0  # `--block-size auto`'s expectation, summed over the cycles
+    predicted_seconds: float = 0.0
+    decoded_tokens: int = 0  # tokens after each turn's first (which comes from its prefill)
+    decode_time: float = 0.0
+
+    def add(self, stats: GenerationStats) -> None:
+        self.generated_tokens += stats.num_tokens
+        self.acceptance_lengths += stats.acceptance_lengths
+        self.block_sizes += stats.block_sizes
+        self.predicted_tokens += stats.predicted_tokens
+        self.predicted_seconds += stats.predicted_seconds
+        self.decoded_tokens += max(stats.num_tokens - 1, 0)
+        self.decode_time += stats.decode_time
 
     @property
     def tau(self) -> float:
@@ -87,6 +101,18 @@ class SessionTotals:
     @property
     def histogram(self) -> list[int]:
         return acceptance_histogram(self.acceptance_lengths)
+
+    @property
+    def block_size_histogram(self) -> dict[int, int]:
+        return dict(sorted(Counter(self.block_sizes).items()))
+
+    @property
+    def predicted_tps(self) -> float | None:
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else None
+
+    @property
+    def measured_tps(self) -> float:
+        return self.decoded_tokens / self.decode_time if self.decode_time > 0 else 0.0
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -108,13 +134,15 @@ class ChatEngine:
         draft_model: DFlashDraftModel | Any | None = None,
         settings: ChatSettings | None = None,
         max_context: int | None = None,
+        calibration: Any = None,
     ):
         self.target = as_target(model)
         self.tokenizer = tokenizer
         self.draft_model = draft_model
         self.settings = settings or ChatSettings()
         self.max_block_size = check_block_size(None, draft_model)
-        self.settings.block_size = check_block_size(self.settings.block_size, draft_model)
+        self.calibration = calibration  # seeds `--block-size auto` (mlx_dflash.calibration)
+        self.set_block_size(self.settings.block_size)
         self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None)
         if not getattr(tokenizer, "chat_template", None):
             raise DFlashError("this model's tokenizer has no chat template; chat needs one")
@@ -122,8 +150,6 @@ class ChatEngine:
         self.messages: list[dict[str, str]] = []
         self.totals = SessionTotals()
         self._stop_requested = False
-        # One cost record for the conversation: what pays on this machine holds across turns.
-        self.adaptive = AdaptiveDrafting()
         self.session = self._new_session()
 
     # -- state ---------------------------------------------------------------------------
@@ -161,10 +187,16 @@ class ChatEngine:
             self.session.truncate(keep)
         return full[len(self.session.tokens):]
 
-    def set_block_size(self, n: int) -> None:
-        if self.draft_model is None and n != 1:
-            raise DFlashError("block size must be 1 (no drafter: plain decoding)")
-        self.settings.block_size = check_block_size(n, self.draft_model)
+    def set_block_size(self, n: int | str | None) -> None:
+        """"auto" (None too) or a fixed size; the policy's record then spans the conversation."""
+        if n in (None, AUTO):
+            self.settings.block_size = AUTO if self.draft_model is not None else 1
+        else:
+            if self.draft_model is None and n != 1:
+                raise DFlashError("block size must be 1 (no drafter: plain decoding)")
+            self.settings.block_size = check_block_size(n, self.draft_model)
+        # One cost and acceptance record per setting: what pays on this machine holds across turns.
+        self.policy = make_policy(self.settings.block_size, self.max_block_size, self.calibration)
 
     def request_stop(self) -> None:
         """Ask the running reply to stop at the end of its current cycle (signal-safe)."""
@@ -194,9 +226,8 @@ class ChatEngine:
         s = self.settings
         sampler = make_sampler(s.temp, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
         stream = stream_session(
-            self.session, new, sampler, max_tokens=max_tokens, block_size=self.settings.block_size,
-            stop=self.stop, detokenizer=self.tokenizer.detokenizer,
-            adaptive=self.adaptive if self.settings.adaptive else None,
+            self.session, new, sampler, max_tokens=max_tokens, stop=self.stop,
+            detokenizer=self.tokenizer.detokenizer, policy=self.policy,
         )
         generated: list[int] = []
         shown = ""
@@ -225,8 +256,7 @@ class ChatEngine:
         stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
         self.totals.turns += 1
         self.totals.prompt_tokens += len(new)
-        self.totals.generated_tokens += stats.num_tokens
-        self.totals.acceptance_lengths += stats.acceptance_lengths
+        self.totals.add(stats)
         return TurnResult(self.tokenizer.decode(generated), generated, stats, finish, len(new), reused)
 
     def _finish_turn(self, generated: list[int], finish: str, keep_partial: bool, reused: int,

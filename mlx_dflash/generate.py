@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,9 +12,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .adaptive import AdaptiveDrafting
 from .drafter import DEFAULT_BLOCK_SIZE, DFlashDraftModel
 from .errors import DFlashError
+from .policy import AUTO, BlockSizePolicy, FixedBlockSize, make_policy
 from .proposer2 import dflash_proposer
 from .sampling import make_sampler
 from .session import Clock, DecodingSession
@@ -43,7 +44,28 @@ class GenerationStats:
     decode_time: float = 0.0
     peak_memory_gb: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)  # draft/verify seconds (profile)
-    plain_cycles: int = 0  # cycles adaptive drafting ran as plain target steps
+    plain_cycles: int = 0  # cycles run as plain target steps although a drafter was there
+    block_sizes: list[int] = field(default_factory=list)  # each cycle's block size (1: a plain step)
+    predicted_tokens: float = 0.0  # `--block-size auto`: its expectations, summed over the cycles
+    predicted_seconds: float = 0.0
+
+    def add_cycle(self, size: int, produced: int, drafter: bool, prediction: tuple[float, float] | None) -> None:
+        self.acceptance_lengths.append(produced)
+        self.block_sizes.append(size)
+        self.plain_cycles += size == 1 and drafter
+        if prediction is not None:
+            self.predicted_tokens += prediction[0]
+            self.predicted_seconds += prediction[1]
+
+    @property
+    def block_size_histogram(self) -> dict[int, int]:
+        """Cycles per chosen block size."""
+        return dict(sorted(Counter(self.block_sizes).items()))
+
+    @property
+    def predicted_tps(self) -> float | None:
+        """Tokens per second the block-size policy's cost model expected (None: no model)."""
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else None
 
     @property
     def cycles(self) -> int:
@@ -134,19 +156,22 @@ def stream_generate(
     top_k: int = 0,
     min_p: float = 0.0,
     seed: int | None = None,
-    block_size: int | None = None,
+    block_size: int | str | None = None,
     draft_window: int | None = None,
     stop_tokens: Sequence[int] = (),
     profile: bool = False,
-    adaptive: bool | AdaptiveDrafting = False,
+    calibration: Any = None,
+    policy: BlockSizePolicy | None = None,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash (or the target alone when `draft_model` is None).
 
     Greedy output is token-identical to the target decoding alone; with temp > 0
     every token is an exact sample of the target's (top-p/top-k/min-p filtered)
     distribution. `profile` syncs after drafting to split draft/verify time.
-    `adaptive` drafts only while drafting measures cheaper per token than plain
-    steps (see `AdaptiveDrafting`); the output is the same either way.
+    `block_size`: "auto" (the default, None) chooses each cycle's size for the most
+    tokens per second (`mlx_dflash.policy`), seeded by a `calibration` when given
+    (with a `seed` and temp > 0 it is the drafter's block, for reproducible samples);
+    an int fixes it. `policy` overrides both (research, tests). Output never depends on it.
     """
     target = as_target(model)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -154,7 +179,9 @@ def stream_generate(
         raise DFlashError("the prompt is empty: give at least one token")
     if max_tokens < 0:
         raise DFlashError(f"max_tokens must be >= 0, got {max_tokens}")
-    block_size = check_block_size(block_size, draft_model)
+    # A seeded sample repeats only if every run uses the same block sizes: then the drafter's.
+    auto = block_size in (None, AUTO) and not (seed is not None and temp > 0)
+    block_size = check_block_size(None if auto else block_size, draft_model)
     if draft_window is not None and draft_window < 1:
         raise DFlashError(f"draft window must be >= 1 token, got {draft_window}")
     if seed is not None:
@@ -164,9 +191,8 @@ def stream_generate(
     proposer = make_proposer(target, draft_model, block_size, draft_window)
     session = DecodingSession(target, proposer)
     yield from stream_session(
-        session, ids, sampler, max_tokens=max_tokens, block_size=block_size, stop=stop,
-        detokenizer=tokenizer.detokenizer, profile=profile,
-        adaptive=(AdaptiveDrafting() if adaptive is True else adaptive or None),
+        session, ids, sampler, max_tokens=max_tokens, stop=stop, detokenizer=tokenizer.detokenizer,
+        profile=profile, policy=policy or make_policy(AUTO if auto else block_size, block_size, calibration),
     )
 
 
@@ -176,19 +202,20 @@ def stream_session(
     sampler: Any,
     *,
     max_tokens: int,
-    block_size: int,
     stop: set[int],
     detokenizer: Any,
     profile: bool = False,
-    adaptive: AdaptiveDrafting | None = None,
+    policy: BlockSizePolicy | None = None,
+    block_size: int = 1,
 ) -> Iterator[GenerationEvent]:
     """Feed `new_tokens` to an existing session, then decode one event per verify cycle.
 
     Between events (at every `yield`) the session is consistent: every emitted token
     is committed, so a caller may stop iterating there and keep using the session
     (a multi-turn chat does). A stop token ends generation and stays committed.
-    With `adaptive`, each cycle drafts or runs a plain step, whichever it measures cheaper.
+    `policy` picks each cycle's block size (default: always `block_size`).
     """
+    policy = policy or FixedBlockSize(block_size)
     stats = GenerationStats(prompt_tokens=len(new_tokens))
     detokenizer.reset()
     if max_tokens == 0:
@@ -197,6 +224,7 @@ def stream_session(
     clock = Clock()
     produced, accepted = [session.extend(list(new_tokens), sampler)], 0  # the prefill commits one token
     stats.prefill_time = clock.lap()
+    policy.begin()
     while True:
         finish = None
         if produced[-1] in stop:
@@ -218,18 +246,15 @@ def stream_session(
             return
         # Never verify more positions than the remaining budget can use.
         budget = max_tokens - stats.num_tokens
-        size = min(block_size, budget)
-        if adaptive is not None:
-            size = adaptive.block_size(size)
-            stats.plain_cycles += size == 1 and block_size > 1
+        size = policy.choose(budget, session.position)
+        session.prepare(size)  # a backlog of drafter input is not this cycle's cost
         started = time.perf_counter()
         verified = session.step(sampler, size, stats.timings if profile else None)
         kept = _kept_count(verified.tokens, stop, budget)
         session.keep(verified, kept)
-        if adaptive is not None:
-            adaptive.record(size, len(verified.tokens), time.perf_counter() - started)
+        policy.record(size, verified.num_accepted, time.perf_counter() - started)
         produced, accepted = verified.tokens[:kept], verified.num_accepted
-        stats.acceptance_lengths.append(len(verified.tokens))
+        stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction)
 
 
 def _kept_count(produced: list[int], stop: set[int], budget: int) -> int:

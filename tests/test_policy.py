@@ -1,0 +1,247 @@
+"""`--block-size auto`: the policy's choices on synthetic cost and acceptance models, and that
+whatever it chooses the output is the target's own (greedy and sampled)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import FAMILIES
+from tiny import VOCAB, ScriptedProposer, greedy_reference
+
+from mlx_dflash import stream_generate
+from mlx_dflash.errors import DFlashError
+from mlx_dflash.policy import (
+    AUTO,
+    AcceptanceModel,
+    AutoBlockSize,
+    FixedBlockSize,
+    candidate_sizes,
+    make_policy,
+    parse_block_size,
+)
+
+SIZES = candidate_sizes(16)
+
+
+def expected_tokens(size: int, p: float) -> float:
+    return sum(p**j for j in range(size))
+
+
+def best_rate(cost, p: float, position: int = 0) -> float:
+    return max(expected_tokens(L, p) / cost(L, position) for L in SIZES)
+
+
+def simulate(policy: AutoBlockSize, cycles: int, cost, p, rng, start: int = 0):
+    """Drive the policy: each draft position is accepted with probability p(cycle) while the
+    previous one was; a cycle with block L costs cost(L, position) 'seconds'.
+    Returns the chosen sizes and per-cycle (tokens, seconds)."""
+    sizes, outcomes, position = [], [], start
+    for i in range(cycles):
+        size = policy.choose(10**9, position)
+        accepted = 0
+        while accepted < size - 1 and rng.random() < p(i):
+            accepted += 1
+        seconds = cost(size, position)
+        policy.record(size, accepted, seconds)
+        sizes.append(size)
+        outcomes.append((accepted + 1, seconds))
+        position += accepted + 1
+    return sizes, outcomes
+
+
+def rate(outcomes) -> float:
+    return sum(t for t, _ in outcomes) / sum(s for _, s in outcomes)
+
+
+def cpu_cost(L, n):  # a 2-core CPU: every verified position costs, plus a draft pass
+    return 1.0 + 0.25 * (L - 1) + 0.2 * (L > 1)
+
+
+def gpu_cost(L, n):  # a GPU: a 16-token verify costs about one step
+    return 1.0 + 0.02 * (L - 1) + 0.1 * (L > 1)
+
+
+def calibrated(cost) -> dict[int, tuple[float, float]]:
+    return {L: (cost(L, 0), 0.0) for L in SIZES}
+
+
+def test_candidate_sizes_and_parsing():
+    assert candidate_sizes(16) == [1, 2, 3, 4, 6, 8, 12, 16]
+    assert candidate_sizes(10) == [1, 2, 3, 4, 6, 8, 10]
+    assert candidate_sizes(32) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
+    assert candidate_sizes(1) == [1]
+    assert parse_block_size("auto") == AUTO and parse_block_size(None) == AUTO
+    assert parse_block_size("8") == 8
+    for bad in ("0", "-3", "big"):
+        with pytest.raises(DFlashError):
+            parse_block_size(bad)
+    assert FixedBlockSize(16).choose(5, 0) == 5
+    assert isinstance(make_policy(AUTO, 1), FixedBlockSize)  # no drafter: plain steps
+    assert make_policy(AUTO, 16).choose(100, 0) in SIZES
+    assert make_policy(8, 16).choose(100, 0) == 8
+
+
+def test_expected_tokens_follow_the_acceptance_estimates():
+    model = AcceptanceModel(depth=7, prior_strength=1e-9)
+    for _ in range(200):
+        model.observe(7, 2)  # positions 1 and 2 always accepted, position 3 always rejected
+    e = model.expected_tokens()
+    assert e[1] == 1.0 and e[2] == pytest.approx(2.0, abs=1e-3) and e[3] == pytest.approx(3.0, abs=1e-3)
+    assert e[8] == pytest.approx(3.0, abs=1e-3)  # nothing past the first rejection
+
+
+@pytest.mark.parametrize("calibrate", [True, False], ids=["calibrated", "uncalibrated"])
+@pytest.mark.parametrize(
+    "cost, p, expect",
+    [(cpu_cost, 0.1, "plain"), (cpu_cost, 0.7, "16 worst"), (gpu_cost, 0.9, "16 best")],
+    ids=["cpu-weak", "cpu-good", "gpu-good"],
+)
+def test_the_policy_finds_the_best_size(cost, p, expect, calibrate):
+    rng = np.random.default_rng(0)
+    policy = AutoBlockSize(16, base_costs=calibrated(cost) if calibrate else None)
+    sizes, outcomes = simulate(policy, 400, cost, lambda i: p, rng)
+    rates = {L: expected_tokens(L, p) / cost(L, 0) for L in SIZES}
+    best = max(rates, key=rates.get)
+    assert {"plain": best == 1, "16 worst": min(rates, key=rates.get) == 16, "16 best": best == 16}[expect]
+    tail = sizes[-150:]
+    assert rate(outcomes[-150:]) >= 0.9 * best_rate(cost, p)
+    chosen = max(set(tail), key=tail.count)
+    assert rates[chosen] >= 0.95 * rates[best], (chosen, best, rates)
+    if expect == "16 worst":
+        assert tail.count(16) <= 5
+    if calibrate:  # the calibration makes the first cycles right already
+        good = [rates[L] >= 0.85 * rates[best] for L in sizes[:40]]
+        assert sum(good) >= 32, sizes[:40]
+
+
+def test_the_choice_follows_a_cost_that_changes_mid_run():
+    # The verify cost per token grows with the context (attention): cheap early, dear later;
+    # and at cycle 150 the machine gets 2.5x slower (another job starts).
+    def cost(L, n, load=1.0):
+        return load * (1.0 + (0.02 + 0.0002 * n) * (L - 1) + 0.1 * (L > 1))
+
+    def quality(L, n):  # the chosen size's expected rate against the best one's, at context n
+        return expected_tokens(L, 0.9) / cost(L, n) / best_rate(cost, 0.9, n)
+
+    # A calibration as calibration.py makes it: two contexts, a line through them.
+    slopes = {L: (cost(L, 1024) - cost(L, 64)) / 960 for L in SIZES}
+    policy = AutoBlockSize(16, base_costs={L: (cost(L, 64) - 64 * b, b) for L, b in slopes.items()})
+    rng = np.random.default_rng(1)
+    sizes, positions, errors, position = [], [], [], 0
+    for i in range(300):
+        load = 1.0 if i < 150 else 2.5
+        size = policy.choose(10**9, position)
+        accepted = 0
+        while accepted < size - 1 and rng.random() < 0.9:
+            accepted += 1
+        seconds = cost(size, position, load)
+        if i >= 170:
+            errors.append(abs(policy.prediction[1] / seconds - 1))
+        policy.record(size, accepted, seconds)
+        sizes.append(size)
+        positions.append(position)
+        position += accepted + 1
+    assert max(SIZES, key=lambda L: expected_tokens(L, 0.9) / cost(L, 0)) == 16
+    assert max(SIZES, key=lambda L: expected_tokens(L, 0.9) / cost(L, position)) <= 6
+    assert sum(L >= 12 for L in sizes[5:30]) >= 20  # early: the widest blocks
+    assert sizes[-50:].count(16) <= 3  # late: a narrower one
+    assert np.mean([quality(L, n) for L, n in zip(sizes[5:], positions[5:], strict=True)]) >= 0.93
+    assert np.median(errors) < 0.15  # the predicted cycle time follows the slower machine
+
+
+def test_the_choice_converges_after_acceptance_changes():
+    rng = np.random.default_rng(2)
+    policy = AutoBlockSize(16, base_costs=calibrated(gpu_cost))
+    acceptance = [0.9] * 150 + [0.0] * 150 + [0.9] * 150
+    sizes, _ = simulate(policy, 450, gpu_cost, lambda i: acceptance[i], rng)
+    assert sum(L >= 12 for L in sizes[100:150]) >= 47  # 12 and 16 are near ties here
+    assert sizes[220:300].count(1) >= 60  # the drafter turned useless: plain steps (rare probes)
+    assert sum(L >= 12 for L in sizes[-50:]) >= 47  # and useful again: the probes noticed
+
+
+def _priced(policy_cls=AutoBlockSize, **kwargs):
+    """Real decoding, synthetic prices (CPU-like), so that several sizes are chosen."""
+
+    class Priced(policy_cls):
+        def record(self, size, accepted, seconds):
+            super().record(size, accepted, cpu_cost(size, 0))
+
+    return Priced(**kwargs)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_auto_is_lossless_for_every_family(family, targets, drafters, make_tokenizer):
+    model = targets(family)
+    prompt = [5, 17, 33, 90, 41, 7]
+    max_tokens = 90
+    reference = greedy_reference(model, prompt, max_tokens + 16)
+    for error_rate in (0.0, 0.3):
+        proposer = ScriptedProposer(prompt + reference, VOCAB, error_rate=error_rate, seed=4,
+                                    target_layer_ids=[0, 2])
+        policy = _priced(max_block=8, probe_every=2)
+        tokens, stats = [], None
+        for event in stream_generate(model, make_tokenizer(()), prompt, draft_model=proposer,
+                                     max_tokens=max_tokens, block_size=8, policy=policy):
+            tokens.extend(event.tokens)
+            stats = event.stats
+        assert tokens == reference[:max_tokens], (family, error_rate)
+        assert len(stats.block_size_histogram) >= 2, stats.block_size_histogram
+        assert sum(stats.block_size_histogram.values()) == stats.cycles
+    # The default (auto, real timings) with a real tiny DFlash drafter.
+    tokens = [t for e in stream_generate(model, make_tokenizer(()), prompt, draft_model=drafters(family),
+                                         max_tokens=max_tokens) for t in e.tokens]
+    assert tokens == reference[:max_tokens]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
+def test_auto_is_lossless_for_hybrid_targets(model_type, make_tokenizer):
+    """Recurrent state is checkpointed and brought forward whatever size each cycle has."""
+    from test_families import build
+
+    model = build(model_type, seed=1)
+    prompt = [(11 * i + 5) % VOCAB for i in range(9)]
+    reference = greedy_reference(model, prompt, 70)
+    proposer = ScriptedProposer(prompt + reference, VOCAB, error_rate=0.3, seed=2, target_layer_ids=[1, 2])
+    events = list(stream_generate(model, make_tokenizer(()), prompt, draft_model=proposer, max_tokens=60,
+                                  block_size=8, policy=_priced(max_block=8, probe_every=2)))
+    assert [t for e in events for t in e.tokens] == reference[:60]
+    assert len(events[-1].stats.block_size_histogram) >= 2
+
+
+def test_stats_report_sizes_and_predictions(targets, drafters, make_tokenizer):
+    model = targets("qwen3")
+    events = list(stream_generate(model, make_tokenizer(()), [5, 6, 7], draft_model=drafters("qwen3"),
+                                  max_tokens=40, block_size="auto"))
+    stats = events[-1].stats
+    assert sum(stats.block_size_histogram.values()) == stats.cycles == len(stats.block_sizes)
+    assert all(1 <= size <= 8 for size in stats.block_sizes)  # candidates, or cut to the remaining budget
+    assert stats.predicted_tps is not None and stats.predicted_tps > 0
+    fixed = list(stream_generate(model, make_tokenizer(()), [5, 6, 7], draft_model=drafters("qwen3"),
+                                 max_tokens=40, block_size=4))[-1].stats
+    assert fixed.predicted_tps is None and set(fixed.block_sizes) <= {1, 2, 3, 4}
+    assert max(fixed.block_sizes) == 4
+
+
+@pytest.mark.slow
+def test_sampling_across_auto_chosen_sizes_follows_the_target_distribution(make_tokenizer):
+    """Chi-square of the first three sampled tokens when each cycle's size varies (1 or 2, then
+    up to 3), against the exact distribution enumerated from the target's logits."""
+    import mlx.core as mx
+    from test_sampling import P_HONEST, PROMPT, MemoOracle, N, exact_distributions, pvalues
+    from tiny import tiny_target
+
+    model = tiny_target("qwen3", seed=2, vocab=16, num_layers=2)
+    exact = exact_distributions(model, 1.0, 0.0)
+    # Probing every other cycle makes the best and the runner-up alternate.
+    policy = AutoBlockSize(4, probe_every=1, max_probe_every=1)
+    mx.random.seed(21)
+    samples = np.zeros((N, 3), dtype=np.int64)
+    sizes: list[int] = []
+    for i in range(N):
+        events = list(stream_generate(model, make_tokenizer(()), PROMPT, draft_model=MemoOracle(model, PROMPT),
+                                      max_tokens=3, temp=1.0, policy=policy))
+        samples[i] = [t for e in events for t in e.tokens]
+        sizes += events[-1].stats.block_sizes
+    assert sizes.count(1) > 0.2 * len(sizes) and sizes.count(2) > 0.2 * len(sizes), np.bincount(sizes)
+    p = pvalues(samples, exact)
+    assert min(p.values()) > P_HONEST, p
