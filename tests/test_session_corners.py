@@ -227,7 +227,8 @@ def test_chat_splits_each_cycle_into_drafted_and_target_text(chat_pair):
     from mlx_dflash.chat import ChatEngine, ChatSettings
 
     model, tokenizer = chat_pair
-    settings = ChatSettings(max_tokens=30, block_size=5, adaptive=False)
+    settings = ChatSettings(max_tokens=30, block_size=5)
+    settings.adaptive = False  # draft every cycle (where chat still has adaptive drafting)
     rendered = ChatEngine(model, tokenizer, None).render([{"role": "user", "content": "hello"}])
     expected = greedy_reference(model, rendered, 30)
     proposer = ScriptedProposer(rendered + expected, tokenizer.vocab_size, 0.3, seed=5)
@@ -289,27 +290,29 @@ class TruthfulDFlash(DFlashProposer):
 
 
 class SlowDFlash(DFlashProposer):
-    """The random drafter's own drafts (they rarely land), drafted 20 ms slower than they need."""
+    """The random drafter's own drafts (they rarely land), drafted 50 ms slower than they need."""
 
     def propose(self, last_token, position, block_size):
-        time.sleep(0.02)
+        time.sleep(0.05)
         return super().propose(last_token, position, block_size)
 
 
 @pytest.mark.parametrize("pays", [True, False])
 def test_adaptive_drafting_on_measured_time(targets, drafters, pays):
     """No synthetic prices: a real tiny pair, the wall-clock timing path, the cheaper kind chosen."""
-    model, drafter = targets("qwen3"), drafters("qwen3")
+    model, drafter = targets("qwen3"), drafters("qwen3", block_size=16)
     target = TargetModel(model)
     prompt = [5, 17, 33, 90, 41]
-    reference = greedy_reference(model, prompt, 160)
-    proposer = (TruthfulDFlash(drafter, target, max_block_size=8, sequence=prompt + reference) if pays
-                else SlowDFlash(drafter, target, max_block_size=8))
+    reference = greedy_reference(model, prompt, 170)
+    proposer = (TruthfulDFlash(drafter, target, max_block_size=16, sequence=prompt + reference) if pays
+                else SlowDFlash(drafter, target, max_block_size=16))
     events = list(stream_generate(model, FakeTokenizer(eos_token_ids=()), prompt, draft_model=proposer,
-                                  max_tokens=150, **{"block_size": 8, **adaptive_options()}))
+                                  max_tokens=150, **{"block_size": 16, **adaptive_options()}))
     assert tokens_of(events) == reference[:150]
     stats = events[-1].stats
-    if pays:  # 8 tokens per drafting cycle: drafting stays chosen but for a few probes of plain steps
-        assert stats.plain_cycles <= 0.2 * stats.cycles, (stats.plain_cycles, stats.cycles)
-    else:  # ~1 token per drafting cycle that costs 20 ms more than a plain step: plain steps take over
-        assert stats.plain_cycles >= 0.7 * stats.cycles, (stats.plain_cycles, stats.cycles)
+    # Wall-clock costs on a machine shared with other work are noisy: the margins are wide (a policy
+    # that ignores the measured time drafts ~95% of the slow drafter's cycles).
+    if pays:  # 16 tokens per drafting cycle: drafting stays chosen but for probes of plain steps
+        assert stats.plain_cycles <= 0.5 * stats.cycles, (stats.plain_cycles, stats.cycles)
+    else:  # ~1 token per drafting cycle that costs 50 ms more than a plain step: plain steps take over
+        assert stats.plain_cycles >= 0.5 * stats.cycles, (stats.plain_cycles, stats.cycles)
