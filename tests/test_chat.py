@@ -244,7 +244,9 @@ def test_totals_histogram_and_block_size_limits(pair):
     assert totals.acceptance_lengths == a.stats.acceptance_lengths + b.stats.acceptance_lengths
     assert sum(totals.histogram) == len(totals.acceptance_lengths)
     assert totals.generated_tokens == len(a.tokens) + len(b.tokens)
-    assert engine.settings.block_size == 8  # the drafter's trained block by default
+    assert engine.settings.block_size == "auto" and engine.max_block_size == 8  # auto up to the trained block
+    assert sum(totals.block_size_histogram.values()) == len(totals.acceptance_lengths)
+    assert max(totals.block_size_histogram) <= 8
     with pytest.raises(DFlashError, match="exceeds the drafter's trained block size 8"):
         engine.set_block_size(9)
     with pytest.raises(DFlashError, match="exceeds the drafter's trained block size 8"):
