@@ -6,6 +6,8 @@ CLI is started (`dflash-mlx`, `python -m mlx_dflash.cli`, or `-m ...cli.main`).
 
 from __future__ import annotations
 
+import sys
+
 import typer
 from rich.console import Console
 from rich.markup import escape
@@ -28,7 +30,17 @@ def _root() -> None:
     """DFlash speculative decoding for MLX: lossless, several times faster generation."""
 
 
+_RANK_PREFIX = [""]  # "rank N: " on the non-zero ranks of a distributed run
+
+
+def set_rank_prefix(prefix: str) -> None:
+    _RANK_PREFIX[0] = prefix
+
+
 def fail(message: str, code: int = 1) -> typer.Exit:
     """Print one clear error line (no traceback) and return the exit to raise."""
-    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+    if _RANK_PREFIX[0]:  # a following rank: its console is quiet, but its errors are not
+        sys.stderr.write(f"error: {_RANK_PREFIX[0]}{message}\n")
+    else:
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     return typer.Exit(code)

@@ -120,6 +120,7 @@ def bench(
         run_bench,
     )
     from mlx_dflash.bench.proposers import CorruptedGreedyFactory, check_oracle_rates
+    from mlx_dflash.distributed import is_main_process
     from mlx_dflash.drafter import DEFAULT_BLOCK_SIZE as DEFAULT_DRAFT_BLOCK
     from mlx_dflash.resolve import choose_pair
 
@@ -180,6 +181,8 @@ def bench(
     if not console.is_terminal:  # logs and pipes: keep each row on one line
         console = Console(width=200)
     console.print(results_table(doc["summary"]))
+    if not is_main_process():  # distributed: rank 0 alone writes the files
+        json_path = report = None
     if json_path is not None:
         try:
             json_path.write_text(json.dumps(doc, indent=1))

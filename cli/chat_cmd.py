@@ -106,7 +106,16 @@ class ChatUI:
 
     # -- input ---------------------------------------------------------------------------
     def read_message(self) -> str | None:
-        """One message (possibly multi-line); None on Ctrl-D or Ctrl-C at the prompt."""
+        """One message (possibly multi-line); None on Ctrl-D or Ctrl-C at the prompt.
+
+        Distributed, rank 0 reads the terminal and every other rank receives the same message."""
+        world = self.engine.target.world
+        if world is None:
+            return self._read_terminal()
+        with world.waiting():  # a person typing is not a dead rank
+            return world.share_text(self._read_terminal() if world.is_main else None)
+
+    def _read_terminal(self) -> str | None:
         try:
             line = input(PROMPT)
         except (EOFError, KeyboardInterrupt):
@@ -239,7 +248,8 @@ class ChatUI:
             "acceptance_lengths": self.engine.totals.acceptance_lengths,
         }
         try:
-            Path(path).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+            if self.engine.target.world is None or self.engine.target.world.is_main:  # rank 0 writes
+                Path(path).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
         except OSError as e:
             raise DFlashError(f"cannot write {path}: {e.strerror}") from None
         self.console.print(f"[dim]saved {len(data['messages'])} messages to {escape(path)}[/]", highlight=False)

@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
+from mlx_dflash.distributed import world_size
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import DEFAULT_BLOCK_SIZE, parse_block_size
 
@@ -45,6 +46,19 @@ def prompt_ids(tokenizer, prompt: str | None, ids: str | None, chat: bool,
         ]
         return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return list(tokenizer.encode(prompt))
+
+
+def _comm_ms(model, stats) -> float:
+    """Distributed: estimated communication per cycle at this run's mean verify width (0 on one machine)."""
+    from mlx_dflash.distributed import world
+    from mlx_dflash.target import as_target
+
+    w = world()
+    if w is None:
+        return 0.0
+    target = as_target(model)
+    rows = max(1, round(sum(stats.block_sizes) / max(len(stats.block_sizes), 1)))
+    return w.cycle_comm_ms(target.num_layers, rows, target.hidden_size)
 
 
 @app.command()
@@ -106,6 +120,8 @@ def generate(
             "block_size_histogram": {str(k): v for k, v in stats.block_size_histogram.items()},
             "predicted_tps": stats.predicted_tps,
             "draft": drafter is not None,
+            "world_size": world_size(),
+            "comm_ms_per_cycle": _comm_ms(target, stats),
         }))
         return
     print()

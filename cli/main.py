@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from mlx_dflash.errors import DFlashError
 
-from .app import app, err_console, fail
+from .app import app, err_console, fail, set_rank_prefix
 
 
 def _register() -> None:
@@ -14,12 +15,33 @@ def _register() -> None:
     from . import calibrate_cmd as calibrate_cmd  # noqa: F401
 
 
+def _follow_rank_zero() -> None:
+    """Under mlx.launch, rank 0 alone prints and writes; the other ranks' stdout goes nowhere
+    and their error lines say which rank they come from."""
+    from mlx_dflash.distributed import world
+
+    w = world()
+    if w is None or w.is_main:
+        return
+    sys.stdout = open(os.devnull, "w")  # for the life of the process
+    err_console.quiet = True
+    set_rank_prefix(f"rank {w.rank}: ")
+
+
 def main() -> None:
     _register()
+    _follow_rank_zero()
     try:
         app()
     except DFlashError as e:
         raise SystemExit(fail(str(e)).exit_code) from None
+    except RuntimeError as e:
+        from mlx_dflash.distributed import world
+
+        w = world()
+        if w is None or "[ring]" not in str(e) and "[jaccl]" not in str(e) and "[mpi]" not in str(e):
+            raise
+        w.give_up(f"lost the connection to another rank ({str(e).splitlines()[0]})")
     except KeyboardInterrupt:
         err_console.print("interrupted")
         sys.exit(130)

@@ -64,6 +64,11 @@ def serve(
     size = parse_block_size(block_size)
     _check_port(host, port)
     console = Console(stderr=True, highlight=False, soft_wrap=True)
+    from mlx_dflash.distributed import world
+
+    if world() is not None:
+        raise DFlashError("serve does not run distributed (under mlx.launch) yet: serve on one machine, "
+                          "or use generate, chat or bench across ranks")
     target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
                                               quantize or q_bits is not None, q_bits or 4)
     engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes))

@@ -243,7 +243,8 @@ class ChatEngine:
                 if event.finish_reason:
                     finish = event.finish_reason
                     break
-                if self._stop_requested:
+                # Distributed, rank 0's Ctrl-C stops every rank at the same cycle.
+                if self.target.agree_int(int(self._stop_requested)):
                     break
         except GeneratorExit:
             raise  # closed at a yield: the session is consistent

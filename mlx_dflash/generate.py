@@ -246,7 +246,8 @@ def stream_session(
             return
         # Never verify more positions than the remaining budget can use.
         budget = max_tokens - stats.num_tokens
-        size = policy.choose(budget, session.position)
+        # Timing-based choices differ between ranks: every rank takes rank 0's.
+        size = session.target.agree_int(policy.choose(budget, session.position))
         session.prepare(size)  # a backlog of drafter input is not this cycle's cost
         started = time.perf_counter()
         verified = session.step(sampler, size, stats.timings if profile else None)

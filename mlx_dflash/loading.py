@@ -13,6 +13,7 @@ from mlx.utils import tree_flatten
 
 from . import drafter2
 from .compat import TargetShape, check_compatible  # noqa: F401  (re-exported)
+from .distributed import one_rank_at_a_time, shard_target, world
 from .drafter import DFlashDraftModel, ModelArgs
 from .dtypes import DTYPES, cast_floats, default_dtype  # noqa: F401  (re-exported)
 from .errors import DFlashError
@@ -116,8 +117,13 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
     """An mlx-lm model and tokenizer, cast to `dtype` (float32 on the CPU by default)."""
     from mlx_lm.utils import load as mlx_lm_load
 
-    # Short names, .gguf files and PyTorch-only checkpoints go through the converted cache.
-    path = resolve_path(path_or_repo, None, revision) if revision else target_source(path_or_repo)
+    # Short names, .gguf files and PyTorch-only checkpoints go through the converted cache
+    # (converted once, by rank 0 first, when ranks share a machine).
+    if revision:
+        path = resolve_path(path_or_repo, None, revision)
+    else:
+        path = one_rank_at_a_time(target_source, path_or_repo)
+    group = world()
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: missing config.json")
     if glob.has_magic(str(path)):
@@ -127,11 +133,15 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
 
     try:
         # transformers-5 configs nest rope_theta; mlx-lm would silently use base 10000.
-        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(_read_json(path / "config.json")))
+        # Distributed: loaded lazily, so each rank materialises only its shard.
+        model, tokenizer = mlx_lm_load(str(path), model_config=rope_overrides(_read_json(path / "config.json")),
+                                       lazy=group is not None)
     except (FileNotFoundError, ValueError, KeyError, RuntimeError) as e:
         # One line, but whole: mlx-lm puts the names of missing weights on the next line.
         raise DFlashError(f"{path}: cannot load target ({' '.join(str(e).split())})") from e
     TargetModel(model)  # fails early, naming the supported families
+    if group is not None:
+        shard_target(model, group)
     cast_floats(model, dtype)
     check_forward(TargetModel(model))  # refuses an mlx-lm whose internals drifted from families.py
     return model, tokenizer

@@ -82,6 +82,7 @@ class DecodingSession:
                 self.proposer.commit(features, start + lo)
             logits = self.target.logits(hidden[:, -1:])[0]
             mx.eval(logits, self.proposer.state_arrays() if self.proposer is not None else [])
+            self.target.heartbeat()
         return logits
 
     def extend(self, new_tokens: list[int], sampler: Any) -> int:
@@ -93,13 +94,14 @@ class DecodingSession:
         if not new_tokens:
             raise ValueError("extend() needs at least one new token")
         logits = self._feed(self.tokens[-1:] + list(new_tokens), max(self.position, 0))
-        token = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).item()
+        token = self.target.agree(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))).item()
         self.tokens.extend(list(new_tokens) + [token])
         return token
 
     def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None) -> Verified:
         """One verify cycle from the pending token; follow it with `keep`."""
         last = mx.array(self.tokens[-1:], dtype=mx.uint32)
+        self.target.heartbeat()
         if block_size > 1 and self.proposer is not None:
             self.inject_pending()  # the drafter reads every committed position
         verified = speculative_step(

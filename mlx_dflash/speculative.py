@@ -123,21 +123,24 @@ def speculative_step(
             drafted = time.perf_counter()
             timings["draft"] = timings.get("draft", 0.0) + drafted - start
             start = drafted
+    inputs = target.agree(inputs)  # distributed: every rank verifies rank 0's block
     checkpoint = target.checkpoint(cache) if draft is not None else None
     hidden, features = target.forward(inputs[None], cache, capture, checkpoint)
     logits = target.logits(hidden)[0]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     if proposal is not None:
         # The draft was sampled from a stated q: speculative rejection sampling (`sampling.py`).
-        target_tokens, num_accepted = rejection_verify(draft, proposal, sampler.probs(logprobs))
+        tokens, accepted = rejection_verify(draft, proposal, sampler.probs(logprobs))
+        agreed = target.agree(mx.concatenate([tokens, accepted[None].astype(tokens.dtype)]))
+        target_tokens, num_accepted = agreed[:-1], agreed[-1]
     elif draft is None:
-        target_tokens = sampler(logprobs)
+        target_tokens = target.agree(sampler(logprobs))
         num_accepted = mx.array(0)
     else:
         # Accept drafted tokens while they equal the token the target itself chose at that
         # position; the target's token at the first mismatch is emitted instead (lossless).
-        target_tokens = sampler(logprobs)
-        num_accepted = mx.cumprod(draft == target_tokens[:-1]).sum()
+        target_tokens = target.agree(sampler(logprobs))
+        num_accepted = mx.cumprod(inputs[1:] == target_tokens[:-1]).sum()
     mx.eval(target_tokens, num_accepted)  # the one host sync per cycle: a decision
     if timings is not None:
         timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - start

@@ -23,12 +23,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import mlx_lm
+from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedLinear
+from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
+from .distributed import Distributed, world
 from .errors import DFlashError
 from .families import FAMILIES, MixerInputs, TargetFamily
 
 _TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)
+_VOCAB_SHARDED = (AllToShardedLinear, QuantizedAllToShardedLinear)
 # The mlx-lm releases whose model internals `families.py` was checked against (pyproject.toml pins the same).
 MLX_LM_TESTED = ">=0.29,<0.33"
 _SELF_CHECK_TOKENS = [[1, 5, 9, 2, 7, 3]]
@@ -96,6 +100,8 @@ class TargetModel:
         self.owner = self.family.text_model(model)
         self.inner = self.owner.model
         self.args = self.owner.args
+        # Under mlx.launch the model is a tensor-parallel shard: decisions come from rank 0.
+        self.world: Distributed | None = world()
 
     @property
     def num_layers(self) -> int:
@@ -114,6 +120,19 @@ class TargetModel:
     def dtype(self) -> mx.Dtype:
         return self.inner.norm.weight.dtype
 
+    def agree(self, x: mx.array) -> mx.array:
+        """Rank 0's `x` on every rank when the target is distributed; `x` itself otherwise."""
+        return x if self.world is None else self.world.agree(x)
+
+    def agree_int(self, value: int) -> int:
+        """Rank 0's host-side choice (a block size) on every rank; `value` itself when not distributed."""
+        return value if self.world is None else int(self.world.agree(mx.array([value])).item())
+
+    def heartbeat(self) -> None:
+        """Distributed: this rank is making progress (the watchdog measures silence from here)."""
+        if self.world is not None:
+            self.world.progress()
+
     def make_cache(self) -> list[Any]:
         return make_prompt_cache(self.model)
 
@@ -128,7 +147,10 @@ class TargetModel:
             tied = getattr(self.args, "tie_word_embeddings", False)
         if tied or "lm_head" not in self.owner:
             return self.inner.embed_tokens.as_linear(hidden)
-        return self.owner.lm_head(hidden)
+        head = self.owner.lm_head
+        if isinstance(head, _VOCAB_SHARDED):  # tensor parallel: each rank holds a slice of the vocabulary
+            return gather_last_axis(head(hidden), head.group)
+        return head(hidden)
 
     def logits(self, hidden: mx.array) -> mx.array:
         """Final-normed hidden states -> logits (the lm_head, or the tied embedding)."""

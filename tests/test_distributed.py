@@ -1,0 +1,172 @@
+"""DFlash over mx.distributed: two ranks on 127.0.0.1 (`mlx.launch -n 2 --backend ring`).
+
+The target is tensor-parallel (mlx-lm's `shard`), the drafter replicated, and rank 0's decisions
+are broadcast. Greedy output on two ranks equals the target alone on two ranks and on one;
+seeded sampling gives identical tokens on both ranks and the exact target distribution; a rank
+that dies ends the other with one error line, well within the timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_sampling import P_HONEST, chi2_pvalue, exact_distributions
+from test_sampling import SEED as SAMPLING_SEED
+from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
+
+HERE = Path(__file__).resolve().parent
+LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
+pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch not installed")
+
+
+def _free_port_pair() -> int:
+    """A base port with the next one free too (the ring backend listens on port + rank)."""
+    for _ in range(50):
+        with socket.socket() as a:
+            a.bind(("127.0.0.1", 0))
+            port = a.getsockname()[1]
+        try:
+            with socket.socket() as b:
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def launch(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    command = [LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port_pair()), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=str(HERE))
+
+
+@pytest.fixture(scope="module")
+def decoded(tmp_path_factory) -> dict:
+    prefix = tmp_path_factory.mktemp("dist") / "out"
+    proc = launch([sys.executable, str(HERE / "distributed_worker.py"), str(prefix)], timeout=900)
+    ranks = [Path(f"{prefix}.rank{r}.json") for r in range(2)]
+    assert all(p.is_file() for p in ranks), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r: json.loads(p.read_text()) for r, p in enumerate(ranks)}
+
+
+def _one_rank_greedy(name: str, prompt: list[int]) -> list[int]:
+    sys.path.insert(0, str(HERE))
+    from distributed_worker import MAX_TOKENS, family_model
+    from tiny import greedy_reference
+
+    return greedy_reference(family_model(name), prompt, MAX_TOKENS)
+
+
+def test_greedy_on_two_ranks_equals_the_target_alone_on_one(decoded):
+    from distributed_worker import FAMILIES, PROMPTS
+
+    rank0, rank1 = decoded[0], decoded[1]
+    assert rank0 == rank1  # every rank committed the same tokens
+    cases = [(name, i) for name in FAMILIES for i in range(len(PROMPTS))]
+    assert len(cases) >= 20
+    accepted = 0
+    for name, i in cases:
+        run = rank0[f"{name}/{i}"]
+        reference = _one_rank_greedy(name, PROMPTS[i])
+        assert run["alone"] == reference, (name, i)
+        assert run["dflash"] == reference, (name, i)
+        assert run["scripted"] == reference, (name, i)
+        accepted += run["accepted"]
+    assert accepted > 100  # the scripted proposer's blocks were really accepted, across families
+
+
+def test_seeded_sampling_on_two_ranks_is_identical_and_exact(decoded):
+    from tiny import tiny_target as build
+
+    samples = np.array(decoded[0]["sampling"]["samples"])
+    assert decoded[0]["sampling"] == decoded[1]["sampling"]
+    assert decoded[0]["sampling"]["accepted"] > 100
+    exact = exact_distributions(build("qwen3", seed=SAMPLING_SEED, vocab=16, num_layers=2), 1.0, 0.0)
+    for position, key in enumerate(("t0", "t1", "t2")):
+        assert chi2_pvalue(samples[:, position], exact[key]) > P_HONEST, key
+    assert chi2_pvalue(samples[:, 1] * 16 + samples[:, 2], exact["t1t2"]) > P_HONEST
+
+
+def _rank_pids(tag: str) -> dict[int, int]:
+    """Rank -> pid of the Python processes whose environment carries `tag` (this test's launch)."""
+    out = {}
+    for proc in Path("/proc").iterdir():
+        try:
+            env = dict(item.split(b"=", 1) for item in (proc / "environ").read_bytes().split(b"\0") if b"=" in item)
+            if env.get(b"DFLASH_TEST_TAG") == tag.encode() and b"MLX_RANK" in env \
+                    and b"python" in (proc / "cmdline").read_bytes():
+                out[int(env[b"MLX_RANK"])] = int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def test_a_rank_that_dies_ends_the_other_with_one_error_line(tmp_path):
+    """`dflash-mlx generate` on two ranks; rank 1 is killed mid-generation (no goodbye)."""
+    import mlx.core as mx
+
+    model = tiny_target("qwen3", seed=0)
+    weight = model.model.embed_tokens.weight  # tied: a zero end-of-sequence row keeps its logit at 0
+    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == 2, 0.0, weight)
+    target = save_target(model, "qwen3", tmp_path / "target")
+    command = [LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port_pair()), sys.executable, "-m",
+               "mlx_dflash.cli", "generate", "-m", str(target), "--prompt-ids", "5,9,33", "--max-tokens", "3000"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE),
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", "MLX_DFLASH_DIST_TIMEOUT": "60",
+                                 "DFLASH_TEST_TAG": str(tmp_path)})
+    try:
+        assert proc.stdout.read(1), proc.stderr.read()  # rank 0 is streaming text
+        pids = _rank_pids(str(tmp_path))
+        assert set(pids) == {0, 1}, pids
+        os.kill(pids[1], 9)
+        killed = time.monotonic()
+        _, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error: rank 0:")]
+    assert len(errors) == 1 and "stopping every rank" in errors[0], err[-2000:]
+    assert "Traceback" not in err
+    assert time.monotonic() - killed < 120
+
+
+def test_generate_cli_on_two_ranks(tmp_path):
+    model = tiny_target("qwen3", seed=0)
+    target = save_target(model, "qwen3", tmp_path / "target")
+    drafter = save_drafter(tiny_drafter(model), drafter_config(model), tmp_path / "drafter")
+    args = ["generate", "-m", str(target), "-d", str(drafter), "--prompt-ids", "1,5,9,33",
+            "--max-tokens", "16", "--block-size", "4", "--json"]
+    proc = launch([sys.executable, "-m", "mlx_dflash.cli", *args], timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1, proc.stdout[-2000:] + proc.stderr[-2000:]  # rank 0 alone prints
+    doc = json.loads(lines[0])
+    alone = subprocess.run([sys.executable, "-m", "mlx_dflash.cli", *args], capture_output=True, text=True,
+                           timeout=300)
+    single = json.loads(alone.stdout.strip().splitlines()[-1])
+    assert doc["world_size"] == 2 and single["world_size"] == 1
+    assert doc["token_ids"] == single["token_ids"] and doc["comm_ms_per_cycle"] > 0
+    assert single["comm_ms_per_cycle"] == 0
+
+
+def test_unshardable_families_are_refused_and_one_machine_is_untouched():
+    """Without mlx.launch there is no world and `agree` is the identity (no collective in the graph)."""
+    import mlx.core as mx
+    from test_families import build
+
+    from mlx_dflash.distributed import Distributed, shard_target, world
+    from mlx_dflash.errors import DFlashError
+    from mlx_dflash.target import TargetModel
+
+    assert world() is None
+    x = mx.array([3, 1, 2], dtype=mx.uint32)
+    assert TargetModel(build("qwen3")).agree(x) is x
+    with pytest.raises(DFlashError, match="no tensor-parallel sharding for gemma3_text"):
+        shard_target(build("gemma3_text"), Distributed(mx.distributed.init()))
