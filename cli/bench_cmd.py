@@ -17,7 +17,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import AUTO
 
 from .app import app, err_console
-from .calibrate_cmd import calibration_for
+from .calibrate_cmd import calibration_for, progress_line
 
 
 def parse_contexts(text: str | None) -> list[int | None]:
@@ -120,6 +120,7 @@ def bench(
         run_bench,
     )
     from mlx_dflash.bench.proposers import CorruptedGreedyFactory, check_oracle_rates
+    from mlx_dflash.calibration import measure
     from mlx_dflash.distributed import is_main_process
     from mlx_dflash.drafter import DEFAULT_BLOCK_SIZE as DEFAULT_DRAFT_BLOCK
     from mlx_dflash.resolve import choose_pair
@@ -144,11 +145,16 @@ def bench(
     if drafter is not None:
         engines += [DFlashEngine(target, tokenizer, drafter, b, calibration=calibration, profile=profile)
                     for b in sizes]
+    widest = drafter.block_size if drafter is not None else DEFAULT_DRAFT_BLOCK
+    oracle_calibration = None
+    if rates and AUTO in sizes:  # what its cycles cost (no drafter runs), as a user's calibration would say
+        probe = CorruptedGreedyFactory(target, tokenizer, 1.0, widest).proposer([])
+        with progress_line("calibrating block sizes for the oracle proposers") as progress:
+            oracle_calibration = measure(target, None, proposer=probe, progress=progress)
     for q in rates:  # clearly labelled: "oracle-q..." modes are not a drafter
-        widest = drafter.block_size if drafter is not None else DEFAULT_DRAFT_BLOCK
         oracle = CorruptedGreedyFactory(target, tokenizer, q, widest)
         engines += [DFlashEngine(target, tokenizer, oracle, min(b, widest) if b != AUTO else b,
-                                 f"oracle-q{q:g}-{b if b == AUTO else f'b{b}'}", calibration=calibration,
+                                 f"oracle-q{q:g}-{b if b == AUTO else f'b{b}'}", calibration=oracle_calibration,
                                  profile=profile) for b in sizes]
     config = BenchConfig(max_tokens=max_tokens, temp=temp, seed=seed, repeats=repeats, think=think,
                          contexts=contexts)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import typer
@@ -11,6 +13,22 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .app import app, err_console
+
+
+@contextmanager
+def progress_line(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A transient progress bar on stderr; yields the `progress(done, total)` callback."""
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=True) as bars:
+        task = None
+
+        def progress(done: int, total: int) -> None:
+            nonlocal task
+            if task is None:
+                task = bars.add_task(description, total=total)
+            bars.update(task, completed=done)
+
+        yield progress
 
 
 def block_size_option(value: str) -> str:
@@ -32,16 +50,7 @@ def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool
 
     if drafter is None or (block_size != AUTO and not refresh):
         return None
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=err_console, transient=True) as bars:
-        task = None
-
-        def progress(done: int, total: int) -> None:
-            nonlocal task
-            if task is None:
-                task = bars.add_task("calibrating block sizes on this machine (once per model)", total=total)
-            bars.update(task, completed=done)
-
+    with progress_line("calibrating block sizes on this machine (once per model)") as progress:
         calibration, warning = calibrate(target, drafter, refresh=refresh, progress=progress)
     if warning:
         err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
@@ -80,4 +89,4 @@ def calibrate(
                     highlight=False)
 
 
-__all__ = ["block_size_option", "calibrate", "calibration_for"]
+__all__ = ["block_size_option", "calibrate", "calibration_for", "progress_line"]

@@ -116,15 +116,21 @@ def save_calibration(calibration: Calibration) -> Path:
 
 def measure(
     model: nn.Module | TargetModel,
-    drafter: DFlashDraftModel,
+    drafter: DFlashDraftModel | None,
     *,
     contexts: tuple[int, ...] = CONTEXTS,
     repeats: int = REPEATS,
     progress: Progress | None = None,
+    proposer: Any = None,
 ) -> Calibration:
-    """Time real decoding cycles of every candidate block size at each context length."""
+    """Time real decoding cycles of every candidate block size at each context length.
+
+    `proposer` (instead of a drafter) measures another proposer, with its `block_size`
+    (the benchmark's proposers of known quality: their drafting costs nothing).
+    """
     target = as_target(model)
-    sizes = candidate_sizes(drafter.block_size)
+    widest = drafter.block_size if proposer is None else proposer.block_size
+    sizes = candidate_sizes(widest)
     limit = getattr(target.args, "max_position_embeddings", None) or 2 * max(contexts)
     contexts = tuple(sorted({min(c, max(limit // 2, 8)) for c in contexts}))  # room for the cycles
     sampler = make_sampler(0.0)
@@ -133,7 +139,7 @@ def measure(
     samples: dict[int, list[tuple[int, float]]] = {size: [] for size in sizes}
     for context in contexts:
         # Any token ids do: costs do not depend on what the text says.
-        session = DecodingSession(target, dflash_proposer(drafter, target, max_block_size=drafter.block_size))
+        session = DecodingSession(target, proposer or dflash_proposer(drafter, target, max_block_size=widest))
         session.extend([(7 * i + 11) % target.vocab_size for i in range(context)], sampler)
         for rep in range(repeats + 1):  # the first pass warms up (allocation, kernel setup)
             times = []
@@ -156,7 +162,9 @@ def measure(
         slope = max((t_hi - t_lo) / (hi - lo), 0.0) if hi > lo else 0.0
         costs[size] = (max(t_lo - slope * lo, 1e-6), slope)
     mx.clear_cache()
-    return Calibration(calibration_key(target, drafter), costs, time.perf_counter() - started)
+    key = calibration_key(target, drafter) if proposer is None else {
+        "machine": machine(), "proposer": type(proposer).__name__, "block_size": widest}
+    return Calibration(key, costs, time.perf_counter() - started)
 
 
 def _median_at(points: list[tuple[int, float]], context: int) -> float:

@@ -154,7 +154,8 @@ class CostModel:
 
     The base carries how costs grow with the context (calibrated per size); the smoothed
     ratio measured / base per size follows the machine's load. A size not measured lately
-    takes the others' ratio, recent ones weighing most (no extrapolation across sizes).
+    takes the ratio interpolated between its nearest measured neighbours (a calibration
+    whose shape is off, e.g. made with another proposer, is corrected across sizes).
     """
 
     base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
@@ -177,8 +178,22 @@ class CostModel:
         base = self.base_seconds(size, position)
         if base is None:
             return 0.0
-        fresh = size in self.ratio and self.observations - self.updated[size] <= self.stale_after
-        return base * (self.ratio[size] if fresh else self._shared)
+        return base * self._ratio_for(size)
+
+    def _ratio_for(self, size: int) -> float:
+        # Its own ratio when measured lately; else interpolated between the nearest sizes
+        # measured lately on either side (the nearest one beyond the ends); else the shared one.
+        fresh = {L: r for L, r in self.ratio.items() if self.observations - self.updated[L] <= self.stale_after}
+        if size in fresh:
+            return fresh[size]
+        below = max((L for L in fresh if L < size), default=None)
+        above = min((L for L in fresh if L > size), default=None)
+        if below is not None and above is not None:
+            t = (size - below) / (above - below)
+            return fresh[below] + t * (fresh[above] - fresh[below])
+        if below is not None or above is not None:
+            return fresh[below if below is not None else above]
+        return self._shared
 
     def observe(self, size: int, position: int, seconds: float) -> None:
         if self.base_seconds(size, position) is None:

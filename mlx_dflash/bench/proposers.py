@@ -64,8 +64,10 @@ class CorruptedGreedyFactory:
         if key not in self.references:
             self.references[key] = [t for e in stream_generate(self.model, self.tokenizer, prompt_ids,
                                                                max_tokens=max_tokens) for t in e.tokens]
-        proposer = CorruptedGreedyProposer(list(prompt_ids) + self.references[key], self.vocab_size, self.q,
-                                           self.seed)
+        return self.proposer(list(prompt_ids) + self.references[key])
+
+    def proposer(self, sequence: list[int]) -> CorruptedGreedyProposer:
+        proposer = CorruptedGreedyProposer(sequence, self.vocab_size, self.q, self.seed)
         proposer.block_size = self.block_size  # the widest block `auto` may choose
         return proposer
 
