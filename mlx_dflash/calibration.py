@@ -155,12 +155,13 @@ def measure(
             if rep:
                 for size, seconds in zip(sizes, times, strict=True):
                     samples[size].append((context, seconds))
-    costs = {}
+    costs, floor = {}, (1e-6, 0.0)
     lo, hi = contexts[0], contexts[-1]
-    for size, points in samples.items():
-        t_lo, t_hi = _median_at(points, lo), _median_at(points, hi)
+    for size in sizes:  # ascending: a wider block never costs less (noise aside), so keep it monotone
+        t_lo, t_hi = _median_at(samples[size], lo), _median_at(samples[size], hi)
         slope = max((t_hi - t_lo) / (hi - lo), 0.0) if hi > lo else 0.0
-        costs[size] = (max(t_lo - slope * lo, 1e-6), slope)
+        floor = (max(t_lo - slope * lo, floor[0]), max(slope, floor[1]))
+        costs[size] = floor
     mx.clear_cache()
     key = calibration_key(target, drafter) if proposer is None else {
         "machine": machine(), "proposer": type(proposer).__name__, "block_size": widest}

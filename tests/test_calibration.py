@@ -25,6 +25,8 @@ def test_measure_cache_and_reuse(pair, monkeypatch):
     assert warning is None
     assert sorted(calibration.costs) == candidate_sizes(drafter.block_size)
     assert all(a > 0 and b >= 0 for a, b in calibration.costs.values())
+    ordered = [calibration.costs[size] for size in sorted(calibration.costs)]
+    assert all(x[0] <= y[0] and x[1] <= y[1] for x, y in zip(ordered, ordered[1:], strict=False))  # monotone
     assert calls[-1][0] == calls[-1][1] == len(cal.CONTEXTS) * len(calibration.costs) * (cal.REPEATS + 1)
     assert cal.cache_file(calibration.key).is_file()
 
