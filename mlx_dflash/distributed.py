@@ -167,6 +167,15 @@ def shard_target(model: nn.Module, w: Distributed) -> None:
     if not hasattr(model, "shard"):
         kind = getattr(model, "model_type", type(model).__name__)
         raise DFlashError(f"mlx-lm has no tensor-parallel sharding for {kind} targets; run it on one machine")
+    args = getattr(model, "args", None)
+    args = getattr(args, "text_config", None) or args  # multimodal checkpoints nest the text model's
+    heads = [getattr(args, name, None) for name in ("num_attention_heads", "num_key_value_heads")]
+    if isinstance(args, dict):
+        heads = [args.get(name) for name in ("num_attention_heads", "num_key_value_heads")]
+    if any(isinstance(n, int) and n % w.size for n in heads):
+        # mlx-lm would split the heads' rows anyway and fail (or compute garbage) at the first forward.
+        raise DFlashError(f"cannot shard this target over {w.size} ranks: its {heads[0]} attention heads and "
+                          f"{heads[1]} key/value heads must both divide by {w.size}")
     try:
         model.shard(w.group)
     except (ValueError, AssertionError) as e:

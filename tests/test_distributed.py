@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -170,3 +171,6 @@ def test_unshardable_families_are_refused_and_one_machine_is_untouched():
     assert TargetModel(build("qwen3")).agree(x) is x
     with pytest.raises(DFlashError, match="no tensor-parallel sharding for gemma3_text"):
         shard_target(build("gemma3_text"), Distributed(mx.distributed.init()))
+    # 4 attention heads and 2 key/value heads cannot be split 3 ways (nor SmolLM2's 9 and 3 in two).
+    with pytest.raises(DFlashError, match="must both divide by 3"):
+        shard_target(build("qwen3"), SimpleNamespace(size=3))
