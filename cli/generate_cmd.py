@@ -85,6 +85,8 @@ def generate(
     import mlx_dflash
     from mlx_dflash.resolve import choose_pair
 
+    if (prompt is None) == (prompt_ids_ is None):  # before any model is loaded or converted
+        raise DFlashError("give exactly one of --prompt and --prompt-ids")
     choice = choose_pair(model, draft, no_draft)
     for warning in choice.warnings:
         err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)

@@ -268,7 +268,7 @@ def test_cli_errors_in_process(pair, tmp_path, capsys, monkeypatch, args, words)
                                   ["generate", "--model", "x", "--temp", "-1"],
                                   ["generate", "--model", "x", "--block-size", "0"],
                                   ["generate", "--model", "x", "--block-size", "big"],
-                                  ["generate"],
+                                  ["generate", "--temp", "warm"],
                                   ["no-such-command"]])
 def test_cli_usage_errors_in_process(capsys, args):
     code, out, err = in_process_cli(capsys, *args)
