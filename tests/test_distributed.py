@@ -174,3 +174,23 @@ def test_unshardable_families_are_refused_and_one_machine_is_untouched():
     # 4 attention heads and 2 key/value heads cannot be split 3 ways (nor SmolLM2's 9 and 3 in two).
     with pytest.raises(DFlashError, match="must both divide by 3"):
         shard_target(build("qwen3"), SimpleNamespace(size=3))
+
+
+def test_chat_on_two_ranks_reads_rank_0s_input_and_replies_as_one_rank(tmp_path):
+    model = tiny_target("qwen3", seed=0)
+    target = save_target(model, "qwen3", tmp_path / "target")
+    drafter = save_drafter(tiny_drafter(model), drafter_config(model), tmp_path / "drafter")
+    args = [sys.executable, "-m", "mlx_dflash.cli", "chat", "-m", str(target), "-d", str(drafter),
+            "--max-tokens", "8", "--no-color"]
+    script = "hello there\n/exit\n"
+
+    def reply(out: str) -> str:
+        flat = " ".join(out.split())
+        assert flat.count(">>>") == 2 and " tokens · " in flat, out[-2000:]
+        return flat.split(">>>", 1)[1].split(" tokens · ")[0]
+
+    command = [LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port_pair()), *args]
+    two = subprocess.run(command, input=script, capture_output=True, text=True, timeout=600, cwd=str(HERE))
+    one = subprocess.run(args, input=script, capture_output=True, text=True, timeout=300, cwd=str(HERE))
+    assert reply(two.stdout) == reply(one.stdout)
+    assert " ".join(two.stdout.split()).count("(as given, local)") == 1  # rank 0 alone printed the header
