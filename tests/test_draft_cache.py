@@ -58,7 +58,8 @@ def assert_session_invariants(session: DecodingSession, window: int | None):
     for c in session.cache:
         assert c.offset == committed, (c.offset, committed)
     draft = session.proposer.cache
-    assert draft.offset == committed, (draft.offset, committed)
+    # Deferred injection: the drafter holds the committed positions but those still queued.
+    assert draft.offset + session.pending_positions == committed, (draft.offset, session.pending_positions, committed)
     assert draft.stored + draft.max_block_size <= draft.capacity  # room for the next block
     if window is not None:  # bounded memory: the window, its slack and one block
         assert draft.capacity <= 2 * window + draft.max_block_size
