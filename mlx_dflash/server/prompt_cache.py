@@ -19,17 +19,9 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
+from ..chat import common_prefix
 from ..session import DecodingSession
 from ..speculative import DFlashProposer
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def session_bytes(session: DecodingSession) -> int:
