@@ -10,7 +10,6 @@ session fed the same rendered history.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,12 +20,11 @@ from mlx_lm.sample_utils import make_sampler
 from .drafter import DFlashDraftModel
 from .errors import DFlashError
 from .generate import (
+    CycleSummary,
     GenerationEvent,
     GenerationStats,
-    acceptance_histogram,
     check_block_size,
     make_proposer,
-    mean_acceptance,
     stream_session,
 )
 from .policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
@@ -74,7 +72,7 @@ class TurnResult:
 
 
 @dataclass
-class SessionTotals:
+class SessionTotals(CycleSummary):
     turns: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -93,22 +91,6 @@ class SessionTotals:
         self.predicted_seconds += stats.predicted_seconds
         self.decoded_tokens += max(stats.num_tokens - 1, 0)
         self.decode_time += stats.decode_time
-
-    @property
-    def tau(self) -> float:
-        return mean_acceptance(self.acceptance_lengths)
-
-    @property
-    def histogram(self) -> list[int]:
-        return acceptance_histogram(self.acceptance_lengths)
-
-    @property
-    def block_size_histogram(self) -> dict[int, int]:
-        return dict(sorted(Counter(self.block_sizes).items()))
-
-    @property
-    def predicted_tps(self) -> float | None:
-        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else None
 
     @property
     def measured_tps(self) -> float:

@@ -35,8 +35,37 @@ def acceptance_histogram(lengths: Sequence[int]) -> list[int]:
     return counts
 
 
+class CycleSummary:
+    """What cycles add up to, for anything holding `acceptance_lengths`, `block_sizes`,
+    `predicted_tokens` and `predicted_seconds` (one generation's stats, a chat's totals)."""
+
+    acceptance_lengths: list[int]
+    block_sizes: list[int]
+    predicted_tokens: float
+    predicted_seconds: float
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward pass in the decode phase."""
+        return mean_acceptance(self.acceptance_lengths)
+
+    @property
+    def histogram(self) -> list[int]:
+        return acceptance_histogram(self.acceptance_lengths)
+
+    @property
+    def block_size_histogram(self) -> dict[int, int]:
+        """Cycles per chosen block size."""
+        return dict(sorted(Counter(self.block_sizes).items()))
+
+    @property
+    def predicted_tps(self) -> float | None:
+        """Tokens per second the block-size policy's cost model expected (None: no model)."""
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else None
+
+
 @dataclass
-class GenerationStats:
+class GenerationStats(CycleSummary):
     prompt_tokens: int = 0
     num_tokens: int = 0  # generated tokens (stop token excluded)
     acceptance_lengths: list[int] = field(default_factory=list)  # a + 1 per cycle
@@ -57,28 +86,11 @@ class GenerationStats:
             self.predicted_tokens += prediction[0]
             self.predicted_seconds += prediction[1]
 
-    @property
-    def block_size_histogram(self) -> dict[int, int]:
-        """Cycles per chosen block size."""
-        return dict(sorted(Counter(self.block_sizes).items()))
-
-    @property
-    def predicted_tps(self) -> float | None:
-        """Tokens per second the block-size policy's cost model expected (None: no model)."""
-        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else None
 
     @property
     def cycles(self) -> int:
         return len(self.acceptance_lengths)
 
-    @property
-    def tau(self) -> float:
-        """Mean tokens per target forward pass in the decode phase."""
-        return mean_acceptance(self.acceptance_lengths)
-
-    @property
-    def histogram(self) -> list[int]:
-        return acceptance_histogram(self.acceptance_lengths)
 
     @property
     def prefill_tps(self) -> float:
