@@ -15,8 +15,12 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
   lately take the others'), so t(L) follows the machine's load.
 
 Greedily exploiting estimates would never learn that an unused size became better,
-so every `interval` cycles the runner-up is tried; the interval doubles while such
-probes confirm the choice, and is reset when a probe makes the runner-up look close.
+so choosing is optimistic about what was seen rarely (the first draft position's
+acceptance, a size's cost), and every `interval` cycles the runner-up is tried; the
+interval doubles while such probes confirm the choice, and is reset when a probe makes
+the runner-up look close. Deep positions get no optimism of their own: reached rarely
+by a mediocre drafter, each would look good and together they would pull toward the
+widest block.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
 speed only, never the output. Its per-cycle work is a few dozen float operations on
 Python numbers (no array work, no host sync).
@@ -125,12 +129,14 @@ class AcceptanceModel:
             self.accepted[k] = keep * self.accepted[k] + (k < accepted)
 
     def rates(self, optimism: float = 0.0) -> list[float]:
-        """Estimated acceptance per position; `optimism` adds c / (observations + 1), for
-        choosing: a drafter not seen yet gets tried, one seen a few times is judged on that."""
+        """Estimated acceptance per position; `optimism` adds c / (observations + 1) to the
+        first position's, for choosing: a drafter not seen yet gets tried, one seen a few
+        times is judged on that. Deeper positions get no bonus of their own: they follow
+        the chain, since a bonus on every rarely reached position compounds into long blocks."""
         out, prior = [], self.prior_mean
-        for r, a in zip(self.reached, self.accepted, strict=True):
+        for k, (r, a) in enumerate(zip(self.reached, self.accepted, strict=True)):
             prior = (a + self.prior_strength * prior) / (r + self.prior_strength)
-            out.append(min(prior + optimism / (r + 1.0), 1.0) if optimism else prior)
+            out.append(min(prior + optimism / (r + 1.0), 1.0) if optimism and k == 0 else prior)
         return out
 
     def expected_tokens(self, optimism: float = 0.0) -> list[float]:
@@ -164,6 +170,7 @@ class CostModel:
     unit: float | None = None  # uncalibrated: seconds per `generic_cost` unit, from the first cycle
     ratio: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
     updated: dict[int, int] = field(default_factory=dict)  # L -> observation count at its last update
+    counts: dict[int, int] = field(default_factory=dict)  # L -> cycles of L measured
     observations: int = 0
     _shared: float = 1.0  # recency-weighted mean ratio over the sizes
 
@@ -203,6 +210,7 @@ class CostModel:
         self.ratio[size] = measured if old is None else old + self.smoothing * (measured - old)
         self.observations += 1
         self.updated[size] = self.observations
+        self.counts[size] = self.counts.get(size, 0) + 1
         weights = {L: 0.5 ** ((self.observations - t) / self.stale_after) for L, t in self.updated.items()}
         self._shared = sum(w * self.ratio[L] for L, w in weights.items()) / sum(weights.values())
 
@@ -215,7 +223,8 @@ class AutoBlockSize:
     base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
     probe_every: int = 8
     max_probe_every: int = 64
-    optimism: float = 0.3  # acceptance bonus for rarely seen positions when choosing
+    optimism: float = 0.3  # when choosing: acceptance bonus for a drafter seen rarely, and
+    # discount on the cost of a size measured rarely (a calibration made under load misprices sizes)
     sizes: list[int] = field(default_factory=list)
     acceptance: AcceptanceModel | None = None
     costs: CostModel | None = None
@@ -244,9 +253,15 @@ class AutoBlockSize:
         self._last_end = None
 
     def scores(self, position: int, optimism: float = 0.0) -> dict[int, float]:
-        """Expected committed tokens per second for every candidate size."""
+        """Expected committed tokens per second for every candidate size; with `optimism`,
+        a size whose cost was measured rarely looks up to optimism / 2 cheaper, so that a
+        calibration that misprices it (made while the machine was busy) gets corrected."""
         expected = self.acceptance.expected_tokens(optimism)
-        return {L: expected[L] / (self.costs.predict(L, position) + self.overhead + 1e-9) for L in self.sizes}
+        scores = {}
+        for L in self.sizes:
+            discount = 0.5 * optimism / (self.costs.counts.get(L, 0) + 1.0) ** 2
+            scores[L] = expected[L] / (self.costs.predict(L, position) * (1.0 - discount) + self.overhead + 1e-9)
+        return scores
 
     def choose(self, limit: int, position: int) -> int:
         self._position = position
@@ -283,10 +298,13 @@ class AutoBlockSize:
     def record(self, size: int, accepted: int, seconds: float) -> None:
         if size > 1:
             self.acceptance.observe(size - 1, accepted)
-        if size in self._seen and size in self.sizes:  # a size's first cycle may include setup
+        first = size not in self._seen
+        if not first and size in self.sizes:  # a size's first cycle may include setup
             self.costs.observe(size, self._position, seconds)
         self._seen.add(size)
-        if self._probing:
+        if self._probing and first:  # a probe that measured nothing: probe again next cycle
+            self._since_probe, self._interval = self._interval, max(self._interval // 2, self.probe_every)
+        elif self._probing:
             scores = self.scores(self._position)
             if scores[self._best] < 1.1 * scores.get(size, 0.0):  # the alternative now looks close
                 self._interval = self.probe_every
