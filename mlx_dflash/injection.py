@@ -47,6 +47,18 @@ def inject_context_kv_reference(
     return keys.astype(dtype), values.astype(dtype)
 
 
+def _unfilled_like(proto: nn.Module) -> nn.Module:
+    """A projection of `proto`'s kind and settings (bits, group size, mode) with no parameters yet.
+
+    Built without running `__init__`: its random initialisation would draw from MLX's global
+    generator, so building an injector would shift the draws of a seeded generation.
+    """
+    module = type(proto).__new__(type(proto))
+    nn.Module.__init__(module)
+    module.__dict__.update({k: v for k, v in vars(proto).items() if k != "_no_grad"})
+    return module
+
+
 class ContextInjector:
     """One projection for all draft layers' context K/V, then norm + RoPE + cache write.
 
@@ -61,14 +73,7 @@ class ContextInjector:
         self.num_layers = len(attns)
         self.num_kv_heads = attns[0].n_kv_heads
         self.head_dim = drafter.args.head_dim
-        if isinstance(proto, nn.QuantizedLinear):
-            # Placeholder shapes (input must be a whole group); the stacked weights replace them.
-            self.projection = nn.QuantizedLinear(
-                proto.group_size, 1, bias="bias" in proto, group_size=proto.group_size, bits=proto.bits,
-                mode=getattr(proto, "mode", "affine"),
-            )
-        else:
-            self.projection = nn.Linear(1, 1, bias="bias" in proto)
+        self.projection = _unfilled_like(proto)
         rows = self.num_kv_heads * self.head_dim
         for name in _STACKED:
             if name not in proto:
