@@ -140,7 +140,8 @@ def bench(
     if sizes and drafter is None and not rates:
         raise DFlashError("--block-size needs a --draft (or --oracle-q)")
     sizes = sizes or [AUTO]
-    calibration = calibration_for(target, drafter, AUTO) if AUTO in sizes else None
+    # No acceptance remembered from earlier runs: every run of the benchmark starts alike.
+    calibration = calibration_for(target, drafter, AUTO, recall=False) if AUTO in sizes else None
     engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
     if drafter is not None:
         engines += [DFlashEngine(target, tokenizer, drafter, b, calibration=calibration, profile=profile)

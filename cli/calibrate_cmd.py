@@ -42,11 +42,16 @@ def block_size_option(value: str) -> str:
         raise typer.BadParameter(str(e)) from None
 
 
-def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool = False) -> Any:
+def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool = False,
+                    recall: bool = True) -> Any:
     """The calibration seeding `--block-size auto` (cached; measured with a progress line when
-    missing); None for a fixed block size or without a drafter. Warnings are printed here."""
+    missing); None for a fixed block size or without a drafter. Warnings are printed here.
+    With `recall`, it carries what earlier runs learnt of the drafter's acceptance (a
+    benchmark starts from nothing instead, to be repeatable); `remember_acceptance` saves it."""
+    from mlx_dflash.acceptance_memory import recall as recall_acceptance
     from mlx_dflash.calibration import calibrate
-    from mlx_dflash.policy import AUTO
+    from mlx_dflash.generate import check_block_size
+    from mlx_dflash.policy import AUTO, AcceptanceModel
 
     if drafter is None or (block_size != AUTO and not refresh):
         return None
@@ -54,7 +59,22 @@ def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool
         calibration, warning = calibrate(target, drafter, refresh=refresh, progress=progress)
     if warning:
         err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
+    if calibration is not None and recall:
+        calibration.acceptance = recall_acceptance(target, drafter) or AcceptanceModel(
+            check_block_size(None, drafter) - 1)
     return calibration
+
+
+def remember_acceptance(target: Any, drafter: Any, calibration: Any) -> None:
+    """Keep what `auto` learnt of the drafter's acceptance this run for the next (rank 0 only)."""
+    from mlx_dflash.acceptance_memory import remember
+    from mlx_dflash.distributed import is_main_process
+
+    if calibration is None or calibration.acceptance is None or not is_main_process():
+        return
+    warning = remember(target, drafter, calibration.acceptance)
+    if warning:
+        err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
 
 
 @app.command()

@@ -21,7 +21,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app
-from .calibrate_cmd import block_size_option, calibration_for
+from .calibrate_cmd import block_size_option, calibration_for, remember_acceptance
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
@@ -389,7 +389,8 @@ def chat(
     size = parse_block_size(block_size)
     settings = ChatSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
                             block_size=size, system=system)
-    engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration_for(target, drafter, size))
+    calibration = calibration_for(target, drafter, size)
+    engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration)
     for line in lines:
         console.print(line, highlight=False)
     legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("target", TARGET_STYLE)) if not no_color else ""
@@ -399,4 +400,7 @@ def chat(
     ), highlight=False)
     if console.is_terminal:
         _history(console)
-    ChatUI(console, engine, color=not no_color).run()
+    try:
+        ChatUI(console, engine, color=not no_color).run()
+    finally:
+        remember_acceptance(target, drafter, calibration)

@@ -13,7 +13,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app, err_console, fail
-from .calibrate_cmd import block_size_option, calibration_for
+from .calibrate_cmd import block_size_option, calibration_for, remember_acceptance
 
 JSON_SCHEMA_VERSION = 1
 
@@ -104,6 +104,7 @@ def generate(
         tokens.extend(event.tokens)
         if not as_json:
             print(event.text, end="", flush=True)
+    remember_acceptance(target, drafter, calibration)
     stats = event.stats
     if as_json:
         print(json.dumps({

@@ -59,6 +59,7 @@ def serve(
         raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
     from mlx_dflash.policy import parse_block_size
 
+    from .calibrate_cmd import calibration_for, remember_acceptance
     from .chat_cmd import _load
 
     size = parse_block_size(block_size)
@@ -71,7 +72,9 @@ def serve(
                           "or use generate, chat or bench across ranks")
     target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
                                               quantize or q_bits is not None, q_bits or 4)
-    engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes))
+    calibration = calibration_for(target, drafter, size)
+    engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes,
+                                                             calibration=calibration))
     model_id = served_name or model or EMBEDDED_ID
     aliases = {Path(model).name} if model else set()
     state = ServerState(engine, model_id, api_key=api_key, max_tokens_default=max_tokens_default,
@@ -87,4 +90,5 @@ def serve(
         make_server(state, host, port, log_level).run()
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
+    remember_acceptance(target, drafter, calibration)
     console.print("server stopped")

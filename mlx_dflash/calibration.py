@@ -48,6 +48,9 @@ class Calibration:
     key: dict[str, Any]
     costs: dict[int, tuple[float, float]]  # block size -> (seconds at context 0, seconds per context token)
     seconds: float = 0.0  # how long the probe took
+    # What earlier runs learnt of this pair's acceptance (`acceptance_memory`); the policies made
+    # from this calibration share and update it, so that it can be saved for the next run.
+    acceptance: Any = None
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "key": self.key, "seconds": self.seconds,

@@ -102,7 +102,11 @@ def make_policy(block_size: int | str, max_block: int, calibration: Any = None) 
     if block_size == AUTO:
         if max_block <= 1:
             return FixedBlockSize(1)
-        return AutoBlockSize(max_block, base_costs=calibration.costs if calibration is not None else None)
+        learnt = getattr(calibration, "acceptance", None)
+        if learnt is None or learnt.depth != max_block - 1:
+            learnt = None
+        return AutoBlockSize(max_block, base_costs=calibration.costs if calibration is not None else None,
+                             acceptance=learnt)
     return FixedBlockSize(min(int(block_size), max_block))
 
 
