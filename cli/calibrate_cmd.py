@@ -48,10 +48,9 @@ def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool
     missing); None for a fixed block size or without a drafter. Warnings are printed here.
     With `recall`, it carries what earlier runs learnt of the drafter's acceptance (a
     benchmark starts from nothing instead, to be repeatable); `remember_acceptance` saves it."""
-    from mlx_dflash.acceptance_memory import recall as recall_acceptance
+    from mlx_dflash.acceptance_memory import seed
     from mlx_dflash.calibration import calibrate
-    from mlx_dflash.generate import check_block_size
-    from mlx_dflash.policy import AUTO, AcceptanceModel
+    from mlx_dflash.policy import AUTO
 
     if drafter is None or (block_size != AUTO and not refresh):
         return None
@@ -60,8 +59,7 @@ def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool
     if warning:
         err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
     if calibration is not None and recall:
-        calibration.acceptance = recall_acceptance(target, drafter) or AcceptanceModel(
-            check_block_size(None, drafter) - 1)
+        seed(calibration, target, drafter)
     return calibration
 
 

@@ -60,6 +60,13 @@ def recall(target: Any, drafter: nn.Module) -> AcceptanceModel | None:
     return AcceptanceModel(depth, reached=[r * scale for r in reached], accepted=[a * scale for a in accepted])
 
 
+def seed(calibration: Any, target: Any, drafter: nn.Module) -> Any:
+    """Give `calibration` what earlier runs learnt of this pair's acceptance (else a blank
+    model): the policies made from it share and update it; `remember` saves it afterwards."""
+    calibration.acceptance = recall(target, drafter) or AcceptanceModel(check_block_size(None, drafter) - 1)
+    return calibration
+
+
 def remember(target: Any, drafter: nn.Module, acceptance: AcceptanceModel) -> str | None:
     """Save what `acceptance` learnt for the next run; returns a warning when it cannot."""
     if not any(acceptance.reached):
