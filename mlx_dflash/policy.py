@@ -9,6 +9,9 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
   that draft position k is accepted given that the draft reached it. Counts decay
   (recent text weighs most); each position's prior is the estimate of the one
   before it, so an unseen deep position is expected to do as well as the last seen.
+  Text changes faster than decay forgets (a list ends, prose begins): a run of
+  first-position outcomes the estimates call very unlikely shrinks all evidence to a
+  couple of observations, and each new generation inherits only a few.
 - t(L) starts from a calibration (seconds per L, linear in the context length,
   measured on this machine: `calibration.py`) or, without one, from a generic
   shape; measured cycles correct it per L by a smoothed ratio (sizes not measured
@@ -118,8 +121,11 @@ class AcceptanceModel:
     prior_mean: float = 0.5  # first position's prior: optimistic enough to try drafting
     prior_strength: float = 1.0
     memory: float = 16.0  # observations of a position after which old ones weigh 1/e
+    surprise: float = 0.002  # a run of first-position outcomes this unlikely under the estimates...
+    forget_to: float = 2.0  # ...shrinks every position's evidence to this many observations
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    _run: tuple[bool, float] = (True, 1.0)  # the current run of equal first-position outcomes, its odds
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.depth
@@ -127,10 +133,26 @@ class AcceptanceModel:
 
     def observe(self, drafted: int, accepted: int) -> None:
         """A verify of `drafted` draft tokens accepted the first `accepted` of them."""
+        if drafted < 1 or self.depth < 1:
+            return
+        # The text changed (a list ended, prose began): what was learnt before misleads. Decay
+        # alone would take dozens of cycles, during which the old estimates keep choosing badly.
+        hit, p = accepted > 0, self.rates()[0]
+        odds = (p if hit else 1.0 - p) * (self._run[1] if self._run[0] == hit else 1.0)
+        self._run = (hit, odds)
+        if odds < self.surprise:
+            self.forget(self.forget_to)
         keep = 1.0 - 1.0 / self.memory
         for k in range(min(accepted + 1, drafted, self.depth)):
             self.reached[k] = keep * self.reached[k] + 1.0
             self.accepted[k] = keep * self.accepted[k] + (k < accepted)
+
+    def forget(self, weight: float) -> None:
+        """Keep every estimate but let it weigh at most `weight` observations."""
+        scale = min(1.0, weight / max(max(self.reached, default=0.0), 1e-9))
+        self.reached = [r * scale for r in self.reached]
+        self.accepted = [a * scale for a in self.accepted]
+        self._run = (True, 1.0)
 
     def rates(self, optimism: float = 0.0) -> list[float]:
         """Estimated acceptance per position; `optimism` adds c / (observations + 1) to the
@@ -227,6 +249,7 @@ class AutoBlockSize:
     base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
     probe_every: int = 8
     max_probe_every: int = 64
+    carry_over: float = 4.0  # observations per draft position a new generation inherits
     optimism: float = 0.3  # when choosing: acceptance bonus for a drafter seen rarely, and
     # discount on the cost of a size measured rarely (a calibration made under load misprices sizes)
     sizes: list[int] = field(default_factory=list)
@@ -253,8 +276,11 @@ class AutoBlockSize:
         self._interval = self.probe_every
 
     def begin(self) -> None:
-        """A new generation starts: the time since the last cycle is not overhead."""
+        """A new generation starts: the time since the last cycle is not overhead, and new text
+        may suit the drafter better or worse: past acceptance weighs less, probes come soon."""
         self._last_end = None
+        self._interval = self.probe_every
+        self.acceptance.forget(self.carry_over)
 
     def scores(self, position: int, optimism: float = 0.0) -> dict[int, float]:
         """Expected committed tokens per second for every candidate size; with `optimism`,

@@ -271,3 +271,38 @@ def test_a_calibration_that_misprices_sizes_is_corrected():
         policy = AutoBlockSize(16, base_costs=skewed)
         _, outcomes = simulate(policy, 300, cost, lambda i: p, np.random.default_rng(seed))
         assert rate(outcomes[100:]) >= 0.93 * best_rate(cost, p)
+
+
+def drafter_cost(L, n):  # CPU, a 2-layer drafter: a draft pass costs 35 ms on top of the verify
+    return measured_cpu_cost(L, n) + 0.035 * (L > 1)
+
+
+@pytest.mark.parametrize("surprise", [AcceptanceModel.surprise, 0.0], ids=["forgets", "decay-only"])
+def test_text_that_stops_suiting_the_drafter_is_noticed_within_a_few_cycles(surprise):
+    # A list the drafter predicts (acceptance 0.95), then prose it cannot (0.0), in one reply.
+    # Decay alone leaves the old estimates in charge for dozens of cycles of wasted drafts.
+    wasted = []
+    for seed in range(4):
+        policy = AutoBlockSize(16, base_costs=calibrated(drafter_cost))
+        policy.acceptance.surprise = surprise
+        sizes, _ = simulate(policy, 140, drafter_cost, lambda i: 0.95 if i < 100 else 0.0,
+                            np.random.default_rng(seed))
+        assert sum(L >= 8 for L in sizes[60:100]) >= 36  # the list: wide blocks
+        wasted.append(sum(L > 1 for L in sizes[100:]))
+    if surprise:
+        assert max(wasted) <= 16, wasted
+    else:
+        assert min(wasted) >= 25, wasted  # the failure the forgetting prevents (kept as a witness)
+
+
+def test_a_new_generation_probes_the_drafter_again_soon():
+    # Generation 1: prose (the drafter never right), long enough for probes to grow rare.
+    # Generation 2: a list it predicts; without `begin` resetting the probes, plain steps go on.
+    policy = AutoBlockSize(16, base_costs=calibrated(drafter_cost))
+    rng = np.random.default_rng(0)
+    policy.begin()
+    first, _ = simulate(policy, 200, drafter_cost, lambda i: 0.0, rng)
+    assert first[-100:].count(1) >= 95
+    policy.begin()
+    second, _ = simulate(policy, 40, drafter_cost, lambda i: 0.95, rng)
+    assert sum(L >= 8 for L in second[20:]) >= 18, second
