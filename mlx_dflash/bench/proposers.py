@@ -20,20 +20,29 @@ from ..target import as_target
 
 
 class CorruptedGreedyProposer:
-    """Drafts `sequence[position + 1:]` (prompt + greedy continuation), corrupted at rate q."""
+    """Drafts `sequence[position + 1:]` (prompt + greedy continuation), corrupted at rate q.
+
+    Which positions are wrong is drawn once per sequence, not per draft: every block size
+    meets the same wrong positions, as with a real drafter whose mistakes belong to the
+    text, so that modes compare on equal terms (drawn per draft, a short run's luck
+    differed from one block size to the next).
+    """
 
     def __init__(self, sequence: list[int], vocab_size: int, q: float, seed: int = 0):
         self.sequence, self.vocab_size, self.q = sequence, vocab_size, q
-        self.rng = np.random.default_rng(seed)
+        rng = np.random.default_rng([seed, len(sequence), sum(sequence) % 2**32])
+        self.wrong = rng.random(len(sequence)) < q
+        self.replacement = (np.asarray(sequence) + 1 + rng.integers(vocab_size - 1, size=len(sequence))) % vocab_size
         self.target_layer_ids = [0]  # the engine captures one layer's features; they go unused
         self.committed = 0
 
     def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
         out = []
         for i in range(position + 1, position + block_size):
-            true = self.sequence[i] if i < len(self.sequence) else 0
-            wrong = self.rng.random() < self.q
-            out.append(int(true + 1 + self.rng.integers(self.vocab_size - 1)) % self.vocab_size if wrong else true)
+            if i >= len(self.sequence):
+                out.append(0)
+            else:
+                out.append(int(self.replacement[i] if self.wrong[i] else self.sequence[i]))
         return mx.array(out, dtype=mx.uint32)
 
     def commit(self, features: Any, position: int) -> None:
