@@ -10,8 +10,9 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
   (recent text weighs most); each position's prior is the estimate of the one
   before it, so an unseen deep position is expected to do as well as the last seen.
   Text changes faster than decay forgets (a list ends, prose begins): a run of
-  first-position outcomes the estimates call very unlikely shrinks all evidence to a
-  couple of observations, and each new generation inherits only a few.
+  first-position outcomes the estimates call very unlikely shrinks the first position's
+  evidence to a couple of observations and drops the deeper ones' (they restart from
+  the chain), and each new generation inherits only a few observations.
 - t(L) starts from a calibration (seconds per L, linear in the context length,
   measured on this machine: `calibration.py`) or, without one, from a generic
   shape; measured cycles correct it per L by a smoothed ratio (sizes not measured
@@ -125,7 +126,9 @@ class AcceptanceModel:
     forget_to: float = 2.0  # ...shrinks every position's evidence to this many observations
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
-    _run: tuple[bool, float] = (True, 1.0)  # the current run of equal first-position outcomes, its odds
+    # The current run of equal first-position outcomes: outcome, its odds under the estimate
+    # from before the run (which the run itself would otherwise drag along), that estimate.
+    _run: tuple[bool, float, float] = (True, 1.0, 0.5)
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.depth
@@ -137,11 +140,19 @@ class AcceptanceModel:
             return
         # The text changed (a list ended, prose began): what was learnt before misleads. Decay
         # alone would take dozens of cycles, during which the old estimates keep choosing badly.
-        hit, p = accepted > 0, self.rates()[0]
-        odds = (p if hit else 1.0 - p) * (self._run[1] if self._run[0] == hit else 1.0)
-        self._run = (hit, odds)
+        hit = accepted > 0
+        same, odds, p = self._run
+        if hit != same:
+            odds, p = 1.0, self.rates()[0]
+        if hit != (p >= 0.5):  # only a run of the outcome the estimate calls unlikely surprises
+            odds *= p if hit else 1.0 - p
+        self._run = (hit, odds, p)
         if odds < self.surprise:
+            # Deeper positions were measured on the old text too, and a draft failing at the
+            # first position says nothing new of them: they restart from the chained prior.
             self.forget(self.forget_to)
+            self.reached[1:] = [0.0] * (self.depth - 1)
+            self.accepted[1:] = [0.0] * (self.depth - 1)
         keep = 1.0 - 1.0 / self.memory
         for k in range(min(accepted + 1, drafted, self.depth)):
             self.reached[k] = keep * self.reached[k] + 1.0
@@ -152,7 +163,7 @@ class AcceptanceModel:
         scale = min(1.0, weight / max(max(self.reached, default=0.0), 1e-9))
         self.reached = [r * scale for r in self.reached]
         self.accepted = [a * scale for a in self.accepted]
-        self._run = (True, 1.0)
+        self._run = (True, 1.0, 0.5)
 
     def rates(self, optimism: float = 0.0) -> list[float]:
         """Estimated acceptance per position; `optimism` adds c / (observations + 1) to the
