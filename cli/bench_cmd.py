@@ -98,7 +98,7 @@ def bench(
     limit: Annotated[int, typer.Option("--limit", min=0, help="First N prompts of each dataset (0: all).")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per turn.")] = 256,
     block_size: Annotated[list[str] | None, typer.Option("--block-size", help="Block size(s) to compare: auto and/or N, repeat or comma-separate, e.g. auto,16,8,4,1 (default: auto).")] = None,
-    oracle_q: Annotated[str | None, typer.Option("--oracle-q", help="Benchmark-only proposers of known quality: the target's own greedy continuation with each drafted token corrupted at rate q, e.g. 0.05,0.2,0.5 (greedy only; each at every --block-size).")] = None,
+    oracle_q: Annotated[str | None, typer.Option("--oracle-q", help="Benchmark-only proposers of known quality: the target's own greedy continuation with each position wrong at rate q (the same positions for every block size), e.g. 0.05,0.2,0.5 (greedy only; each at every --block-size).")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Split each cycle into draft/verify/other time (one extra host sync per cycle: not the loop users run).")] = False,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy, outputs checked identical).")] = 0.0,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (each mode starts from it).")] = 0,
