@@ -22,7 +22,8 @@ Greedily exploiting estimates would never learn that an unused size became bette
 so choosing is optimistic about what was seen rarely (the first draft position's
 acceptance, a size's cost), and every `interval` cycles the runner-up is tried; the
 interval doubles while such probes confirm the choice, and is reset when a probe makes
-the runner-up look close. Deep positions get no optimism of their own: reached rarely
+the runner-up look close; probes never take more than `probe_budget` of the time (where
+a probe costs twice a plain step, as on a 4-bit target on a CPU, they come rarely). Deep positions get no optimism of their own: reached rarely
 by a mediocre drafter, each would look good and together they would pull toward the
 widest block.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
@@ -260,6 +261,7 @@ class AutoBlockSize:
     base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
     probe_every: int = 8
     max_probe_every: int = 64
+    probe_budget: float = 0.02  # share of the time that probing the runner-up may cost
     carry_over: float = 4.0  # observations per draft position a new generation inherits
     optimism: float = 0.3  # when choosing: acceptance bonus for a drafter seen rarely, and
     # discount on the cost of a size measured rarely (a calibration made under load misprices sizes)
@@ -328,7 +330,10 @@ class AutoBlockSize:
         best, runner_up = ranked[0], ranked[1]
         if best != self._best:  # the choice changed: watch the alternatives closely again
             self._best, self._interval, self._since_probe = best, self.probe_every, 0
-        self._probing = self._since_probe >= self._interval
+        # A probe costs its extra seconds over the best size's cycle; space probes so that
+        # they take at most `probe_budget` of the time (4-bit targets on a CPU: 2x a step).
+        extra = self.costs.predict(runner_up, position) / max(self.costs.predict(best, position), 1e-9) - 1.0
+        self._probing = self._since_probe >= max(self._interval, extra / self.probe_budget)
         if self._probing:
             self._since_probe = 0
             self._interval = min(2 * self._interval, self.max_probe_every)

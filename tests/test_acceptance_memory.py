@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from mlx_dflash import acceptance_memory as memory
 from mlx_dflash import calibration as cal
 from mlx_dflash.calibration import Calibration
-from mlx_dflash.policy import AcceptanceModel, make_policy
+from mlx_dflash.policy import AcceptanceModel, candidate_sizes, make_policy
 from mlx_dflash.target import TargetModel
 
 _register()
@@ -74,6 +74,9 @@ def test_a_remembered_weak_drafter_starts_with_plain_steps(pair):
 
 def test_generate_remembers_between_runs(tmp_path, monkeypatch):
     monkeypatch.setenv(cal.DIR_ENV, str(tmp_path / "calibration"))
+    # Drafting priced as cheap as a plain step, so that the short run drafts and learns.
+    monkeypatch.setattr(cal, "measure", lambda target, drafter, **kw: Calibration(
+        cal.calibration_key(target, drafter), {L: (0.01, 0.0) for L in candidate_sizes(drafter.block_size)}))
     model = tiny_target("qwen3", seed=0)
     target = save_target(model, "qwen3", tmp_path / "target")
     drafter = save_drafter(tiny_drafter(model), drafter_config(model), tmp_path / "drafter")
