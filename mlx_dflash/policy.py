@@ -23,9 +23,9 @@ so choosing is optimistic about what was seen rarely (the first draft position's
 acceptance, a size's cost), and every `interval` cycles the runner-up is tried; the
 interval doubles while such probes confirm the choice, and is reset when a probe makes
 the runner-up look close; probes never take more than `probe_budget` of the time (where
-a probe costs twice a plain step, as on a 4-bit target on a CPU, they come rarely). Deep positions get no optimism of their own: reached rarely
-by a mediocre drafter, each would look good and together they would pull toward the
-widest block.
+a probe costs twice a plain step, as on a 4-bit target on a CPU, they come rarely).
+Deep positions get no optimism of their own: reached rarely by a mediocre drafter, each
+would look good and together they would pull toward the widest block.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
 speed only, never the output. Its per-cycle work is a few dozen float operations on
 Python numbers (no array work, no host sync).
