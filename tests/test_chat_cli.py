@@ -260,7 +260,7 @@ class Terminal:
     def send(self, keys: str) -> None:
         os.write(self.fd, keys.encode())
 
-    def wait(self, timeout: float = 30.0) -> int:
+    def wait(self, timeout: float = 30.0, *, kill: bool = True) -> int | None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -271,6 +271,8 @@ class Terminal:
                     self.raw += os.read(self.fd, 65536).decode("utf-8", "replace")
             except OSError:
                 time.sleep(0.1)
+        if not kill:
+            return None
         os.kill(self.pid, signal.SIGKILL)
         raise AssertionError(f"the chat did not exit:\n{self.text[-1000:]!r}")
 
@@ -331,6 +333,12 @@ def test_ctrl_d_and_ctrl_c_at_the_prompt_exit(pair, tmp_path):
             term.read_until(r">>> ")
             term.wait_for_input()
             term.send(key)
-            assert term.wait() == 0
+            # On a loaded machine the key can still land in readline's race (see wait_for_input):
+            # it is then acted on at the next key, which the same key at an empty prompt is.
+            code = term.wait(10.0, kill=False)
+            if code is None:
+                term.send(key)
+                code = term.wait()
+            assert code == 0
         finally:
             os.close(term.fd)
