@@ -21,7 +21,7 @@ from mlx_dflash.errors import DFlashError
 from mlx_dflash.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app
-from .calibrate_cmd import block_size_option, calibration_for, remember_acceptance
+from .calibrate_cmd import block_size_option, calibration_for
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
@@ -400,7 +400,4 @@ def chat(
     ), highlight=False)
     if console.is_terminal:
         _history(console)
-    try:
-        ChatUI(console, engine, color=not no_color).run()
-    finally:
-        remember_acceptance(target, drafter, calibration)
+    ChatUI(console, engine, color=not no_color).run()
