@@ -56,8 +56,9 @@ def recall(target: Any, drafter: nn.Module) -> AcceptanceModel | None:
             return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    scale = min(1.0, SEED_WEIGHT / max(max(reached), 1e-9))
-    return AcceptanceModel(depth, reached=[r * scale for r in reached], accepted=[a * scale for a in accepted])
+    remembered = AcceptanceModel(depth, reached=reached, accepted=accepted)
+    remembered.forget(SEED_WEIGHT)
+    return remembered
 
 
 def seed(calibration: Any, target: Any, drafter: nn.Module) -> Any:

@@ -129,7 +129,7 @@ class AcceptanceModel:
     accepted: list[float] = field(default_factory=list)
     # The current run of equal first-position outcomes: outcome, its odds under the estimate
     # from before the run (which the run itself would otherwise drag along), that estimate.
-    _run: tuple[bool, float, float] = (True, 1.0, 0.5)
+    _run: tuple[bool, float, float] = (True, 1.0, 0.5)  # (no run yet)
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.depth
