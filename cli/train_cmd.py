@@ -36,7 +36,7 @@ def train(
     steps: Annotated[int, typer.Option("--steps", min=1, help="Optimizer steps.")] = 1000,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Sequences per micro-batch.")] = 1,
     accum: Annotated[int, typer.Option("--accum", min=1, help="Micro-batches per optimizer step.")] = 1,
-    lr: Annotated[float, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW, warm-up then cosine).")] = 6e-4,
+    lr: Annotated[float | None, typer.Option("--lr", min=0.0, help="Peak learning rate (AdamW, warm-up then cosine; default 6e-4). With --resume: the saved one unless given.")] = None,
     warmup: Annotated[float, typer.Option("--warmup", min=0.0, max=1.0, help="Warm-up fraction of the steps.")] = 0.04,
     seq_len: Annotated[int, typer.Option("--seq-len", min=8, help="Tokens per training sequence (longer ones are cut).")] = 512,
     blocks_per_seq: Annotated[int, typer.Option("--blocks-per-seq", min=1, help="Draft blocks (anchors) per sequence.")] = 32,
@@ -57,10 +57,11 @@ def train(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mlx_dflash.train import TrainConfig, Trainer, TrainEvent
+    from mlx_dflash.train.trainer import DEFAULT_LR
 
     config = TrainConfig(
         target=target, data=[str(p) for p in data], out=str(out), layers=layers, block_size=block_size,
-        target_layers=_parse_layers(target_layers), steps=steps, batch=batch, accum=accum, lr=lr, warmup=warmup,
+        target_layers=_parse_layers(target_layers), steps=steps, batch=batch, accum=accum, lr=DEFAULT_LR if lr is None else lr, warmup=warmup,
         seq_len=seq_len, blocks_per_seq=blocks_per_seq, labels=labels, dtype=dtype, seed=seed,
         max_minutes=max_minutes, save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts,
         regenerate=regenerate, regenerate_max_tokens=regenerate_max_tokens, regenerate_batch=regenerate_batch,
@@ -77,7 +78,7 @@ def train(
                 regen_task = regen_progress.add_task("regenerate", total=total)
             regen_progress.update(regen_task, completed=done)
 
-        trainer = Trainer(config, resume=resume, on_regenerate=on_regenerate)
+        trainer = Trainer(config, resume=resume, on_regenerate=on_regenerate, change=("lr",) if lr is not None else ())
     a = trainer.args
     err_console.print(
         f"drafter: {a.num_hidden_layers} layers, block {a.block_size}, target layers {a.target_layer_ids}, "

@@ -138,6 +138,28 @@ def test_resume_equals_straight_run(setup):
         np.testing.assert_allclose(np.array(sa[key]), np.array(sb[key]), atol=1e-5, rtol=1e-4, err_msg=key)
 
 
+def test_a_resumed_run_changes_its_learning_rate_only_when_asked(setup):
+    def stop_at_4(event):
+        if event.kind == "step" and event.step == 4:
+            raise KeyboardInterrupt
+
+    def rates(name: str) -> list[float]:
+        log = (setup[0] / name / "train_log.jsonl").read_text().splitlines()
+        return [r["lr"] for r in map(json.loads, log) if "loss" in r]
+
+    for name, lr, change in (("kept", 1e-2, ()), ("changed", 1e-2, ("lr",))):
+        assert Trainer(_config(setup, name, steps=8)).run(stop_at_4).status == "interrupted"
+        resumed = Trainer(_config(setup, name, steps=8, lr=lr), resume=True, change=change)
+        assert resumed.config.lr == (lr if change else 3e-3)
+        resumed.run()
+    kept, changed = rates("kept"), rates("changed")
+    assert len(kept) == len(changed) == 8 and kept[:4] == changed[:4]
+    # The schedule is proportional to its peak: from step 5 on, the new peak's.
+    np.testing.assert_allclose(np.array(changed[4:]) / np.array(kept[4:]), 1e-2 / 3e-3, rtol=1e-5)
+    with pytest.raises(DFlashError, match="cannot change layers"):
+        Trainer(_config(setup, "kept", steps=8), resume=True, change=("layers",))
+
+
 def test_regenerated_training_data_and_target_initialisation(setup):
     trainer = Trainer(_config(setup, "regen", steps=2, regenerate=5, regenerate_max_tokens=12))
     path = trainer.out / "regenerated.jsonl"

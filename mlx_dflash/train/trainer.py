@@ -44,10 +44,13 @@ from .regenerate import REGENERATED, regenerated_conversations
 from .scaling import feature_scale, fold_feature_scale
 
 LABEL_SOURCES = ("target", "data")
+DEFAULT_LR = 6e-4  # peak learning rate
 # Training sequences whose target features set the per-channel feature scale.
 SCALE_EXAMPLES = 8
 # Fields a resumed run may change; everything else comes from the checkpoint.
 RESUMABLE = ("steps", "max_minutes", "save_every", "eval_every", "eval_prompts", "eval_max_tokens")
+# Fields a resumed run changes only when asked (the schedule then follows the new peak rate).
+CHANGEABLE = ("lr",)
 
 
 @dataclass
@@ -63,7 +66,7 @@ class TrainConfig:
     steps: int = 1000
     batch: int = 1
     accum: int = 1
-    lr: float = 6e-4
+    lr: float = DEFAULT_LR
     warmup: float = 0.04  # fraction of the steps
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
@@ -182,17 +185,22 @@ def build_drafter_args(config: TrainConfig, target: TargetModel, tokenizer: Any)
 
 class Trainer:
     def __init__(self, config: TrainConfig, *, resume: bool = False, target_model: nn.Module | None = None,
-                 tokenizer: Any = None, on_regenerate: Callable[[int, int], None] | None = None):
+                 tokenizer: Any = None, on_regenerate: Callable[[int, int], None] | None = None,
+                 change: tuple[str, ...] = ()):
         """Load the target and data (regenerating replies first when asked) and build the drafter.
 
-        on_regenerate(done, total) reports regeneration progress.
+        on_regenerate(done, total) reports regeneration progress. `change`: fields a resumed
+        run takes from `config` besides `RESUMABLE` ("lr": a new peak rate from here on).
         """
         out = Path(config.out)
         state = None
         if resume:
             state = ckpt.read_state(out)
             saved = dict(state.config)
-            saved.update({k: getattr(config, k) for k in RESUMABLE})
+            unknown = set(change) - set(CHANGEABLE)
+            if unknown:
+                raise DFlashError(f"a resumed run cannot change {', '.join(sorted(unknown))}")
+            saved.update({k: getattr(config, k) for k in RESUMABLE + tuple(change)})
             config = TrainConfig(**saved)
         config.check()
         self.config, self.out = config, out
