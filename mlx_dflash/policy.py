@@ -22,8 +22,13 @@ Greedily exploiting estimates would never learn that an unused size became bette
 so choosing is optimistic about what was seen rarely (the first draft position's
 acceptance, a size's cost), and every `interval` cycles the runner-up is tried; the
 interval doubles while such probes confirm the choice, and is reset when a probe makes
-the runner-up look close; probes never take more than `probe_budget` of the time (where
-a probe costs twice a plain step, as on a 4-bit target on a CPU, they come rarely).
+the runner-up look close and at each new generation (new text is when a change is
+likeliest). What a probe costs beyond the best size's cycle is paid from a credit that
+grows by `probe_budget` of every cycle's time and saves up to two probes: probes never
+take more than that share of the time (1%: where a probe costs twice a plain step, as at
+4k context or on a 4-bit target on a CPU, one in ~100 cycles), and the saved ones are
+spent early in a generation. A probe that made the runner-up look close may overdraw the
+credit by two more, so that a likely change is confirmed at once.
 Deep positions get no optimism of their own: reached rarely by a mediocre drafter, each
 would look good and together they would pull toward the widest block.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
@@ -261,8 +266,8 @@ class AutoBlockSize:
     base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
     probe_every: int = 8
     max_probe_every: int = 64
-    probe_budget: float = 0.02  # share of the time that probing the runner-up may cost
-    carry_over: float = 4.0  # observations per draft position a new generation inherits
+    probe_budget: float = 0.01  # share of the time that probing the runner-up may cost
+    carry_over: float = 8.0  # observations per draft position a new generation inherits
     optimism: float = 0.3  # when choosing: acceptance bonus for a drafter seen rarely, and
     # discount on the cost of a size measured rarely (a calibration made under load misprices sizes)
     sizes: list[int] = field(default_factory=list)
@@ -278,6 +283,9 @@ class AutoBlockSize:
     _since_probe: int = 0
     _probing: bool = False
     _best: int = 0
+    _credit: float = float("inf")  # seconds that probes may still cost (full at the start)
+    _probe_extra: float = 0.0  # what a probe of the last ranking costs beyond its best size
+    _close: bool = False  # the last probe made the runner-up look close
     _last_end: float | None = None
     prediction: tuple[float, float] | None = None  # the last choice's expected (tokens, seconds)
     _position: int = 0
@@ -312,7 +320,7 @@ class AutoBlockSize:
             gap = time.perf_counter() - self._last_end
             self.overhead += 0.25 * (gap - self.overhead)
         if limit <= 1 or self.max_block <= 1:
-            size = 1
+            size, self._probing = 1, False
         else:
             size = self._pick(position)
         size = min(size, limit)
@@ -330,13 +338,14 @@ class AutoBlockSize:
         best, runner_up = ranked[0], ranked[1]
         if best != self._best:  # the choice changed: watch the alternatives closely again
             self._best, self._interval, self._since_probe = best, self.probe_every, 0
-        # A probe costs its extra seconds over the best size's cycle; space probes so that
-        # they take at most `probe_budget` of the time (4-bit targets on a CPU: 2x a step).
-        extra = self.costs.predict(runner_up, position) / max(self.costs.predict(best, position), 1e-9) - 1.0
-        self._probing = self._since_probe >= max(self._interval, extra / self.probe_budget)
+        # A probe costs its extra seconds over the best size's cycle, paid from the credit.
+        self._probe_extra = max(self.costs.predict(runner_up, position) - self.costs.predict(best, position), 0.0)
+        affordable = self._credit >= (-2.0 if self._close else 1.0) * self._probe_extra
+        self._probing = self._since_probe >= self._interval and affordable
         if self._probing:
             self._since_probe = 0
             self._interval = min(2 * self._interval, self.max_probe_every)
+            self._credit -= self._probe_extra
             return runner_up
         self._since_probe += 1
         return best
@@ -352,8 +361,12 @@ class AutoBlockSize:
             self._since_probe, self._interval = self._interval, max(self._interval // 2, self.probe_every)
         elif self._probing:
             scores = self.scores(self._position)
-            if scores[self._best] < 1.1 * scores.get(size, 0.0):  # the alternative now looks close
+            # A draft accepted where the best is a plain step: the text may suit the drafter now.
+            self._close = scores[self._best] < 1.1 * scores.get(size, 0.0) or (accepted > 0 and self._best == 1)
+            if self._close:  # the alternative now looks close: look again soon
                 self._interval = self.probe_every
+        # Probes may take `probe_budget` of the time, saved up for at most two of them.
+        self._credit = min(self._credit + self.probe_budget * seconds, 2.0 * self._probe_extra)
         if self.prediction is not None:
             self.predicted_tokens += self.prediction[0]
             self.predicted_seconds += self.prediction[1]

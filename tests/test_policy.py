@@ -298,7 +298,8 @@ def test_text_that_stops_suiting_the_drafter_is_noticed_within_a_few_cycles(surp
 def test_a_new_generation_probes_the_drafter_again_soon():
     # Generation 1: prose (the drafter never right), long enough for probes to grow rare.
     # Generation 2: a list it predicts; without `begin` resetting the probes, plain steps go on.
-    # (A probe costs 74% of a plain step here: they come every ~37 cycles, 2% of the time.)
+    # (A probe costs 74% of a plain step here: at 1% of the time one per ~74 cycles; a new
+    # generation spends the saved credit at once, and a probe that hits is followed up.)
     policy = AutoBlockSize(16, base_costs=calibrated(drafter_cost))
     rng = np.random.default_rng(0)
     policy.begin()
@@ -307,3 +308,24 @@ def test_a_new_generation_probes_the_drafter_again_soon():
     policy.begin()
     second, _ = simulate(policy, 100, drafter_cost, lambda i: 0.95, rng)
     assert sum(L >= 8 for L in second[60:]) >= 38, second
+
+
+def test_probes_of_a_useless_drafter_take_at_most_the_budget_over_short_generations():
+    # 4k context on a 2-core CPU: a 2-token verify costs twice a plain step; the drafter is
+    # never right, and every generation is short (a benchmark's 48 tokens, a chat's turns).
+    # Each new generation invites a probe; together they must stay within the 1% budget.
+    def cost(L, n):
+        return 1.0 if L == 1 else 2.0 + 0.05 * (L - 2)
+
+    rng = np.random.default_rng(3)
+    policy = AutoBlockSize(16, base_costs=calibrated(cost))
+    seconds = cycles = 0.0
+    for _ in range(30):
+        policy.begin()
+        sizes, outcomes = simulate(policy, 47, cost, lambda i: 0.0, rng)
+        assert sizes.count(1) >= 44, sizes
+        seconds += sum(s for _, s in outcomes)
+        cycles += len(sizes)
+    # Every cycle commits one token: any time beyond one plain step per cycle is probing.
+    # At most 1% (a 2% budget cost 2.2% here: with the rest of the loop, auto fell below 0.97x).
+    assert (seconds - cycles) / seconds <= 0.011
