@@ -16,18 +16,22 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
 - t(L) starts from a calibration (seconds per L, linear in the context length,
   measured on this machine: `calibration.py`) or, without one, from a generic
   shape; measured cycles correct it per L by a smoothed ratio (sizes not measured
-  lately take the others'), so t(L) follows the machine's load.
+  lately take the others'), so t(L) follows the machine's load. Other work only ever
+  adds time: one slow cycle counts at most 1.25x the current price, and a faster one
+  counts double, so a hiccup does not send the choice to sizes it left cheaper-looking.
 
 Greedily exploiting estimates would never learn that an unused size became better,
 so choosing is optimistic about what was seen rarely (the first draft position's
 acceptance, a size's cost), and every `interval` cycles the runner-up is tried; the
 interval doubles while such probes confirm the choice, and is reset when a probe makes
 the runner-up look close and at each new generation (new text is when a change is
-likeliest). What a probe costs beyond the best size's cycle is paid from a credit that
-grows by `probe_budget` of every cycle's time and saves up to two probes: probes never
-take more than that share of the time (1%: where a probe costs twice a plain step, as at
-4k context or on a 4-bit target on a CPU, one in ~100 cycles), and the saved ones are
-spent early in a generation. A probe that made the runner-up look close may overdraw the
+likeliest). What a probe loses against a cycle of the best size (its time times the
+shortfall of its expected rate: with a useless drafter its extra seconds over a plain
+step, between two drafting sizes that score alike next to nothing) is paid from a credit
+that grows by `probe_budget` of every cycle's time and saves up to two probes: probes
+never lose more than that share of the time (1%: where a probe costs twice a plain step,
+as at 4k context or on a 4-bit target on a CPU, one in ~100 cycles), and the saved ones
+are spent early in a generation. A probe that made the runner-up look close may overdraw the
 credit by two more, so that a likely change is confirmed at once.
 Deep positions get no optimism of their own: reached rarely by a mediocre drafter, each
 would look good and together they would pull toward the widest block.
@@ -209,6 +213,7 @@ class CostModel:
 
     base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
     smoothing: float = 0.25
+    max_step: float = 1.25  # the most one cycle's measured ratio counts above the current one
     stale_after: int = 32  # observations after which a size's own ratio gives way to the others'
     unit: float | None = None  # uncalibrated: seconds per `generic_cost` unit, from the first cycle
     ratio: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
@@ -250,7 +255,12 @@ class CostModel:
             self.unit = seconds / generic_cost(size)  # uncalibrated: the generic shape, in seconds
         measured = seconds / self.base_seconds(size, position)
         old = self.ratio.get(size)
-        self.ratio[size] = measured if old is None else old + self.smoothing * (measured - old)
+        if old is None:  # a calibrated size's first measurement is trusted, up to a hiccup
+            self.ratio[size] = min(measured, self.max_step * self._shared) if size in self.base else measured
+        else:  # other work only ever adds time: a hiccup (another process, a page fault) moves the
+            # price a little, a lasting slowdown comes through within a few cycles, a speed-up at once
+            measured = min(measured, self.max_step * old)
+            self.ratio[size] = old + (self.smoothing if measured > old else 2 * self.smoothing) * (measured - old)
         self.observations += 1
         self.updated[size] = self.observations
         self.counts[size] = self.counts.get(size, 0) + 1
@@ -284,7 +294,8 @@ class AutoBlockSize:
     _probing: bool = False
     _best: int = 0
     _credit: float = float("inf")  # seconds that probes may still cost (full at the start)
-    _probe_extra: float = 0.0  # what a probe of the last ranking costs beyond its best size
+    _probe_extra: float = 0.0  # what a probe of the last ranking is expected to lose (seconds)
+    _best_rate: float = 0.0  # the best size's expected tokens per second at the last ranking
     _close: bool = False  # the last probe made the runner-up look close
     _last_end: float | None = None
     prediction: tuple[float, float] | None = None  # the last choice's expected (tokens, seconds)
@@ -338,14 +349,17 @@ class AutoBlockSize:
         best, runner_up = ranked[0], ranked[1]
         if best != self._best:  # the choice changed: watch the alternatives closely again
             self._best, self._interval, self._since_probe = best, self.probe_every, 0
-        # A probe costs its extra seconds over the best size's cycle, paid from the credit.
-        self._probe_extra = max(self.costs.predict(runner_up, position) - self.costs.predict(best, position), 0.0)
+        # A probe costs the time it loses against spending its cycle on the best size, as the
+        # estimates see it (no optimism): with a useless drafter its extra seconds over a plain
+        # step; between two drafting sizes that score alike, next to nothing.
+        honest = self.scores(position)
+        self._best_rate = honest[best]
+        self._probe_extra = self.costs.predict(runner_up, position) * max(1.0 - honest[runner_up] / honest[best], 0.0)
         affordable = self._credit >= (-2.0 if self._close else 1.0) * self._probe_extra
         self._probing = self._since_probe >= self._interval and affordable
         if self._probing:
             self._since_probe = 0
             self._interval = min(2 * self._interval, self.max_probe_every)
-            self._credit -= self._probe_extra
             return runner_up
         self._since_probe += 1
         return best
@@ -365,6 +379,8 @@ class AutoBlockSize:
             self._close = scores[self._best] < 1.1 * scores.get(size, 0.0) or (accepted > 0 and self._best == 1)
             if self._close:  # the alternative now looks close: look again soon
                 self._interval = self.probe_every
+        if self._probing:  # what it lost in fact: its time less what the best size takes for its tokens
+            self._credit -= seconds + self.overhead - (accepted + 1) / self._best_rate
         # Probes may take `probe_budget` of the time, saved up for at most two of them.
         self._credit = min(self._credit + self.probe_budget * seconds, 2.0 * self._probe_extra)
         if self.prediction is not None:

@@ -329,3 +329,17 @@ def test_probes_of_a_useless_drafter_take_at_most_the_budget_over_short_generati
     # Every cycle commits one token: any time beyond one plain step per cycle is probing.
     # At most 1% (a 2% budget cost 2.2% here: with the rest of the loop, auto fell below 0.97x).
     assert (seconds - cycles) / seconds <= 0.011
+
+
+def test_a_slow_cycle_now_and_then_does_not_move_the_choice():
+    # Another process takes the CPU for one cycle in 30 (2.5x as long): the widest block stays
+    # the best, and it is not abandoned for the sizes a hiccup left cheaper-looking.
+    def slowed(rng):
+        return lambda L, n: measured_cpu_cost(L, n) * (2.5 if rng.random() < 1 / 30 else 1.0)
+
+    for p, choice in ((0.95, 16), (0.0, 1)):
+        for seed in range(3):
+            rng = np.random.default_rng(seed)
+            policy = AutoBlockSize(16, base_costs=calibrated(measured_cpu_cost))
+            sizes, _ = simulate(policy, 300, slowed(rng), lambda i, p=p: p, rng)
+            assert sizes[20:].count(choice) >= 250, (p, seed, sizes)
