@@ -237,37 +237,42 @@ def stream_session(
     produced, accepted = [session.extend(list(new_tokens), sampler)], 0  # the prefill commits one token
     stats.prefill_time = clock.lap()
     policy.begin()
-    while True:
-        finish = None
-        if produced[-1] in stop:
-            finish = "stop"
-        elif stats.num_tokens + len(produced) >= max_tokens:
-            finish = "length"
-        emitted = produced[:-1] if finish == "stop" else produced
-        for token in emitted:
-            detokenizer.add_token(token)
-        if finish:
-            detokenizer.finalize()
-        stats.num_tokens += len(emitted)
-        stats.decode_time += clock.lap()
-        stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-        yield GenerationEvent(
-            emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish
-        )
-        if finish:
-            return
-        # Never verify more positions than the remaining budget can use.
-        budget = max_tokens - stats.num_tokens
-        # Timing-based choices differ between ranks: every rank takes rank 0's.
-        size = session.target.agree_int(policy.choose(budget, session.position))
-        session.prepare(size)  # a backlog of drafter input is not this cycle's cost
-        started = time.perf_counter()
-        verified = session.step(sampler, size, stats.timings if profile else None)
-        kept = _kept_count(verified.tokens, stop, budget)
-        session.keep(verified, kept)
-        policy.record(size, verified.num_accepted, time.perf_counter() - started)
-        produced, accepted = verified.tokens[:kept], verified.num_accepted
-        stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction)
+    try:
+        while True:
+            finish = None
+            if produced[-1] in stop:
+                finish = "stop"
+            elif stats.num_tokens + len(produced) >= max_tokens:
+                finish = "length"
+            emitted = produced[:-1] if finish == "stop" else produced
+            for token in emitted:
+                detokenizer.add_token(token)
+            if finish:
+                detokenizer.finalize()
+                session.settle()  # a step launched ahead for a cycle that will not come
+            stats.num_tokens += len(emitted)
+            stats.decode_time += clock.lap()
+            stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+            yield GenerationEvent(
+                emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish
+            )
+            if finish:
+                return
+            # Never verify more positions than the remaining budget can use.
+            budget = max_tokens - stats.num_tokens
+            # Timing-based choices differ between ranks: every rank takes rank 0's.
+            size = session.target.agree_int(policy.choose(budget, session.position))
+            ahead = size == 1 and budget > 1 and policy.promise_plain()  # then pipeline the plain steps
+            session.prepare(size)  # a backlog of drafter input is not this cycle's cost
+            started = time.perf_counter()
+            verified = session.step(sampler, size, stats.timings if profile else None, ahead=ahead)
+            kept = _kept_count(verified.tokens, stop, budget)
+            session.keep(verified, kept)
+            policy.record(size, verified.num_accepted, time.perf_counter() - started + session.moved_seconds)
+            produced, accepted = verified.tokens[:kept], verified.num_accepted
+            stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction)
+    finally:
+        session.settle()  # the consumer stopped iterating
 
 
 def _kept_count(produced: list[int], stop: set[int], budget: int) -> int:

@@ -35,6 +35,9 @@ are spent early in a generation. A probe that made the runner-up look close may 
 credit by two more, so that a likely change is confirmed at once.
 Deep positions get no optimism of their own: reached rarely by a mediocre drafter, each
 would look good and together they would pull toward the widest block.
+While plain steps are best and no probe is due, the policy promises the next cycle is a
+plain step too (`promise_plain`), so that the loop launches it before reading this one, as
+mlx-lm pipelines decoding; the promise binds the next choice.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
 speed only, never the output. Its per-cycle work is a few dozen float operations on
 Python numbers (no array work, no host sync).
@@ -89,6 +92,11 @@ class BlockSizePolicy(Protocol):
         """Block size of the next cycle (at most `limit`), the pending token at `position`."""
         ...
 
+    def promise_plain(self) -> bool:
+        """Asked after choosing a plain step: will the next cycle be one too? True binds the
+        next `choose` to 1 (the loop launches that step early, pipelining plain steps)."""
+        ...
+
     def record(self, size: int, accepted: int, seconds: float) -> None:
         """The cycle just chosen finished: its block size, accepted draft tokens, wall time."""
         ...
@@ -106,6 +114,9 @@ class FixedBlockSize:
 
     def choose(self, limit: int, position: int) -> int:
         return min(self.size, limit)
+
+    def promise_plain(self) -> bool:
+        return self.size == 1
 
     def record(self, size: int, accepted: int, seconds: float) -> None:
         pass
@@ -297,6 +308,7 @@ class AutoBlockSize:
     _probe_extra: float = 0.0  # what a probe of the last ranking is expected to lose (seconds)
     _best_rate: float = 0.0  # the best size's expected tokens per second at the last ranking
     _close: bool = False  # the last probe made the runner-up look close
+    _promised: bool = False  # the next cycle was promised to be a plain step
     _last_end: float | None = None
     prediction: tuple[float, float] | None = None  # the last choice's expected (tokens, seconds)
     _position: int = 0
@@ -332,13 +344,37 @@ class AutoBlockSize:
             self.overhead += 0.25 * (gap - self.overhead)
         if limit <= 1 or self.max_block <= 1:
             size, self._probing = 1, False
+        elif self._promised:  # the step was launched already: a plain step of the best size
+            size, self._probing = 1, False
+            self._since_probe += 1
         else:
             size = self._pick(position)
+        self._promised = False
         size = min(size, limit)
         seconds = self.costs.predict(size, position)
         # No prediction before the cost model has an opinion of this size.
         self.prediction = (self.acceptance.expected_tokens()[size], seconds + self.overhead) if seconds else None
         return size
+
+    def promise_plain(self) -> bool:
+        # Plain steps are best, and stay so once this cycle is measured as predicted (it takes
+        # some of their optimism). A surprise only delays the switch by a cycle, where a step
+        # not launched ahead loses its overlap (~5% of a step on a CPU).
+        if self._best != 1 or self._probing:
+            return False
+        scores = self.scores(self._position, self.optimism)
+        discount = 0.5 * self.optimism / (self.costs.counts.get(1, 0) + 2.0) ** 2
+        plain = 1.0 / (self.costs.predict(1, self._position) * (1.0 - discount) + self.overhead + 1e-9)
+        if any(score >= plain for L, score in scores.items() if L != 1):
+            return False
+        # Until a probe is due: one due but waiting for credit may become affordable after
+        # this cycle (it earns a share of about one plain step).
+        if self._since_probe >= self._interval:
+            earned = 2.0 * self.probe_budget * self.costs.predict(1, self._position)
+            if self._credit + earned >= (-2.0 if self._close else 1.0) * self._probe_extra:
+                return False
+        self._promised = True
+        return True
 
     def _pick(self, position: int) -> int:
         # Measure each of the extremes once before trusting a model that has seen nothing.

@@ -11,6 +11,11 @@ they are injected in one batch by the next drafting cycle. So plain steps (block
 never pay for the drafter, and no unevaluated draft-cache writes pile up between
 drafting cycles; `prepare` injects a longer backlog (and evaluates it) before the
 cycle starts, so that a timed cycle costs what that cycle does.
+
+A run of plain steps is pipelined as mlx-lm pipelines decoding: `step(..., ahead=True)`
+launches the next plain step on the lazily sampled token before reading this one, so
+building one step's graph overlaps computing the last. Until the next `step` takes it,
+that step is not part of the state: anything else first drops it (`settle`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from .speculative import Proposer, Verified, speculative_step
+from .speculative import Launched, Proposer, Verified, launch_step
 from .target import TargetModel
 
 PREFILL_CHUNK = 2048
@@ -36,6 +41,13 @@ class DecodingSession:
         self._inputs = 0  # positions of the last step's verify inputs in the target cache
         self.defer_injection = defer_injection  # False: inject at every `keep` (the reference)
         self._pending: list[tuple[mx.array, int]] = []  # (features, position) not yet injected
+        self._ahead: Launched | None = None  # a plain step launched before its cycle (pipelining)
+        self._ahead_seconds = 0.0  # what launching it took (its cycle's work, done in the one before)
+        # The last step's work done in the cycle before it, less the next one's done in it: a
+        # cycle's timer plus this is what the cycle cost (a launch ahead may block for a while).
+        self.moved_seconds = 0.0
+        # Launching ahead needs a cheap way back (a trim) and no other rank to keep in step with.
+        self.can_launch_ahead = target.world is None and target.checkpoint(self.cache) is None
 
     @property
     def position(self) -> int:
@@ -45,6 +57,11 @@ class DecodingSession:
     @property
     def capture(self) -> list[int]:
         return self.proposer.target_layer_ids if self.proposer is not None else []
+
+    @property
+    def launched_ahead(self) -> bool:
+        """A plain step was launched for a cycle that has not taken it yet."""
+        return self._ahead is not None
 
     @property
     def pending_positions(self) -> int:
@@ -62,9 +79,17 @@ class DecodingSession:
         for lo in range(0, features.shape[1], PREFILL_CHUNK):
             self.proposer.commit(features[:, lo : lo + PREFILL_CHUNK], start + lo)
 
+    def settle(self) -> None:
+        """Drop a plain step launched ahead that no cycle took (generation ended, or stopped)."""
+        if self._ahead is not None:
+            self._ahead = None
+            self.target.rollback(self.cache, 1)
+
     def prepare(self, block_size: int) -> None:
         """Before a cycle: inject a backlog of queued features when this cycle drafts (or when
         it grew long) and evaluate it, so that its cost is not counted as this cycle's."""
+        if block_size > 1:
+            self.settle()
         if len(self._pending) > 1 and (block_size > 1 or self.pending_positions >= MAX_PENDING):
             self.inject_pending()
             mx.eval(self.proposer.state_arrays())
@@ -73,6 +98,7 @@ class DecodingSession:
         """Run `inputs` (absolute positions from `start`) through the target in chunks,
         committing their features to the drafter; returns the last position's logits."""
         logits = None
+        self.settle()
         if self._pending:
             self.inject_pending()  # in order: queued positions come before these
         for lo in range(0, len(inputs), PREFILL_CHUNK):
@@ -98,18 +124,35 @@ class DecodingSession:
         self.tokens.extend(list(new_tokens) + [token])
         return token
 
-    def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None) -> Verified:
-        """One verify cycle from the pending token; follow it with `keep`."""
-        last = mx.array(self.tokens[-1:], dtype=mx.uint32)
+    def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None,
+             *, ahead: bool = False) -> Verified:
+        """One verify cycle from the pending token; follow it with `keep`.
+
+        `ahead` (a plain step, when the next cycle is known to be one too): launch the next
+        step before reading this one. Output is the same either way; only the timing moves.
+        """
         self.target.heartbeat()
-        if block_size > 1 and self.proposer is not None:
-            self.inject_pending()  # the drafter reads every committed position
-        verified = speculative_step(
-            self.target, self.cache, self.proposer, sampler, last, self.position, block_size,
-            timings=timings,
-        )
+        if block_size > 1:
+            self.settle()
+            if self.proposer is not None:
+                self.inject_pending()  # the drafter reads every committed position
+        launched, self._ahead = self._ahead, None
+        self.moved_seconds = self._ahead_seconds if launched is not None else 0.0
+        self._ahead_seconds = 0.0
+        if launched is None:
+            last = mx.array(self.tokens[-1:], dtype=mx.uint32)
+            launched = launch_step(self.target, self.cache, self.proposer, sampler, last, self.position,
+                                   block_size, timings=timings)
+        if ahead and block_size == 1 and self.can_launch_ahead and timings is None:  # profile: in order
+            mx.async_eval(launched.target_tokens)
+            start = time.perf_counter()
+            self._ahead = launch_step(self.target, self.cache, self.proposer, sampler,
+                                      launched.target_tokens[:1], self.position + 1, 1, timings=timings)
+            mx.async_eval(self._ahead.target_tokens)
+            self._ahead_seconds = time.perf_counter() - start
+            self.moved_seconds -= self._ahead_seconds
         self._inputs = block_size if self.proposer is not None else 1
-        return verified
+        return launched.finish(timings)
 
     def keep(self, verified: Verified, count: int) -> None:
         """Commit the first `count` produced tokens; roll back the rest of the cycle."""
@@ -131,6 +174,7 @@ class DecodingSession:
         drop = len(self.tokens) - length
         if drop <= 0:
             return
+        self.settle()
         self.inject_pending()  # then the drafter holds every committed position and can trim
         try:
             if self.target.checkpoint(self.cache) is not None:

@@ -97,6 +97,26 @@ class Verified:
     checkpoint: Any = None  # untrimmable target cache state before the verify (hybrid targets)
 
 
+@dataclass
+class Launched:
+    """A cycle whose graph is built (and maybe evaluating) but not read back yet."""
+
+    target_tokens: mx.array  # (B,) the target's token after each input, lazily
+    num_accepted: mx.array  # () draft tokens accepted, lazily
+    features: Any
+    inputs: mx.array
+    checkpoint: Any
+    started: float  # when its timed part began (profile)
+
+    def finish(self, timings: dict[str, float] | None = None) -> Verified:
+        """Wait for the cycle and read its outcome: the one host sync per cycle, a decision."""
+        mx.eval(self.target_tokens, self.num_accepted)
+        if timings is not None:
+            timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - self.started
+        a = self.num_accepted.item()
+        return Verified(self.target_tokens[: a + 1].tolist(), a, self.features, self.inputs, self.checkpoint)
+
+
 def speculative_step(
     target: TargetModel,
     cache: list[Any],
@@ -112,6 +132,20 @@ def speculative_step(
     With no proposer (or block_size 1) this is one plain decoding step of the target.
     `timings`, when given, accumulates draft/verify seconds (forcing a sync after drafting).
     """
+    return launch_step(target, cache, proposer, sampler, last_token, position, block_size, timings).finish(timings)
+
+
+def launch_step(
+    target: TargetModel,
+    cache: list[Any],
+    proposer: Proposer | None,
+    sampler: Any,
+    last_token: mx.array,
+    position: int,
+    block_size: int,
+    timings: dict[str, float] | None = None,
+) -> Launched:
+    """`speculative_step` up to the read-back: the cycle's graph, with the cache updated lazily."""
     start = time.perf_counter()
     capture = proposer.target_layer_ids if proposer is not None else ()
     draft, proposal, inputs = None, None, last_token.astype(mx.uint32)
@@ -141,8 +175,4 @@ def speculative_step(
         # position; the target's token at the first mismatch is emitted instead (lossless).
         target_tokens = target.agree(sampler(logprobs))
         num_accepted = mx.cumprod(inputs[1:] == target_tokens[:-1]).sum()
-    mx.eval(target_tokens, num_accepted)  # the one host sync per cycle: a decision
-    if timings is not None:
-        timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - start
-    a = num_accepted.item()
-    return Verified(target_tokens[: a + 1].tolist(), a, features, inputs, checkpoint)
+    return Launched(target_tokens, num_accepted, features, inputs, checkpoint, start)

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import mlx_dflash  # noqa: F401
 
+import atexit
 import functools
 import os
+import shutil
 import tempfile
 
 import pytest
 
 # Tests must never reach the network, whatever a saved model path looks like.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# `--block-size auto` calibrations of tiny test models stay out of the user's cache.
-os.environ.setdefault("MLX_DFLASH_CALIBRATION_DIR", tempfile.mkdtemp(prefix="mlx-dflash-calibration-"))
+# `--block-size auto` calibrations of tiny test models stay out of the user's cache (and
+# leave nothing behind).
+if "MLX_DFLASH_CALIBRATION_DIR" not in os.environ:
+    os.environ["MLX_DFLASH_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="mlx-dflash-calibration-")
+    atexit.register(shutil.rmtree, os.environ["MLX_DFLASH_CALIBRATION_DIR"], ignore_errors=True)
 
 from tiny import EOS_ID, VOCAB, FakeTokenizer, tiny_drafter, tiny_target  # noqa: E402,F401
 

@@ -31,13 +31,18 @@ def best_rate(cost, p: float, position: int = 0) -> float:
     return max(expected_tokens(L, p) / cost(L, position) for L in SIZES)
 
 
-def simulate(policy: AutoBlockSize, cycles: int, cost, p, rng, start: int = 0):
+def simulate(policy: AutoBlockSize, cycles: int, cost, p, rng, start: int = 0, promises: list | None = None):
     """Drive the policy: each draft position is accepted with probability p(cycle) while the
     previous one was; a cycle with block L costs cost(L, position) 'seconds'.
+    With `promises`, each plain step asks whether the next is one too, as the decode loop does.
     Returns the chosen sizes and per-cycle (tokens, seconds)."""
     sizes, outcomes, position = [], [], start
     for i in range(cycles):
         size = policy.choose(10**9, position)
+        if promises is not None:
+            if promises and promises[-1]:
+                assert size == 1, "a promised plain step"
+            promises.append(size == 1 and policy.promise_plain())
         accepted = 0
         while accepted < size - 1 and rng.random() < p(i):
             accepted += 1
@@ -343,3 +348,24 @@ def test_a_slow_cycle_now_and_then_does_not_move_the_choice():
             policy = AutoBlockSize(16, base_costs=calibrated(measured_cpu_cost))
             sizes, _ = simulate(policy, 300, slowed(rng), lambda i, p=p: p, rng)
             assert sizes[20:].count(choice) >= 250, (p, seed, sizes)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3, 0.95])
+def test_promised_plain_steps_change_no_choice(p):
+    # The decode loop launches a promised plain step early: the promise binds the next
+    # choice, and it must be one the policy would have made anyway, probes included.
+    for seed in range(2):
+        runs = []
+        for promises in (None, []):
+            rng = np.random.default_rng(seed)
+            policy = AutoBlockSize(16, base_costs=calibrated(cpu_cost))
+            sizes = []
+            for _ in range(4):
+                policy.begin()
+                sizes += simulate(policy, 120, cpu_cost, lambda i: p, rng, promises=promises)[0]
+            runs.append((sizes, promises))
+        (unpromised, _), (promised, promises) = runs
+        assert promised == unpromised
+        plain = promised.count(1)
+        if p < 0.5:  # plain steps are best: nearly all of them come pipelined
+            assert sum(promises) >= 0.9 * plain > 0

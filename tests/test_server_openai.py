@@ -313,11 +313,15 @@ def test_logprob_recorder_keeps_the_sampler_kind():
     sampled = recorder.sampler(make_sampler(1.0))
     assert isinstance(sampled, TargetSampler)
     sampled.probs(rows)
-    assert recorder.rows is rows
     greedy = recorder.sampler(make_sampler(0.0))
-    assert greedy(rows[:1]).tolist() == [0] and recorder.rows.shape == (1, 3)
-    (first,) = recorder.take([0])
+    assert greedy(rows[1:]).tolist() == [2]
+    # One entry per sampler call, taken in order (a step launched ahead records before the
+    # event of the cycle before it is taken).
+    (first, second) = recorder.take([0, 2])
     assert first.logprob == pytest.approx(float(mx.log(mx.array(0.7)).item())) and [t for t, _ in first.top] == [0, 1]
+    assert second.logprob == pytest.approx(float(mx.log(mx.array(0.8)).item()))
+    (third,) = recorder.take([2])
+    assert third.logprob == pytest.approx(float(mx.log(mx.array(0.8)).item())) and [t for t, _ in third.top] == [2, 0]
 
 
 def test_ctrl_c_ends_streams_in_flight_cleanly(endless):

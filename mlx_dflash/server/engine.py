@@ -80,11 +80,19 @@ class Job:
 
 
 class LogprobRecorder:
-    """Keeps the log-probabilities the decode loop last handed its sampler: the target's verify rows."""
+    """Keeps the log-probabilities the decode loop hands its sampler: the target's verify rows.
+
+    The sampler is called once per cycle (and once by the prefill), in cycle order, but a
+    plain step launched ahead calls it before the event of the cycle before: a queue, one
+    entry per event.
+    """
 
     def __init__(self, top: int):
         self.top = top
-        self.rows: mx.array | None = None
+        self._rows: list[mx.array] = []
+
+    def record(self, rows: mx.array) -> None:
+        self._rows.append(rows)
 
     def sampler(self, sampler: Any) -> Any:
         """`sampler`, recording what it is given (still a TargetSampler where it was one)."""
@@ -93,9 +101,11 @@ class LogprobRecorder:
         return _RecordingSampler(sampler, self)
 
     def take(self, tokens: list[int]) -> list[TokenLogprob]:
+        """The logprobs of one event's tokens (every event takes its cycle's rows)."""
+        rows = self._rows.pop(0)
         if not tokens:
             return []
-        rows = self.rows.reshape(-1, self.rows.shape[-1])[: len(tokens)].astype(mx.float32)
+        rows = rows.reshape(-1, rows.shape[-1])[: len(tokens)].astype(mx.float32)
         chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
         top_ids = top_values = None
         if self.top:
@@ -113,7 +123,7 @@ class _RecordingSampler:
         self.sample, self.recorder = sampler, recorder
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        self.recorder.rows = logprobs
+        self.recorder.record(logprobs)
         return self.sample(logprobs)
 
 
@@ -125,11 +135,11 @@ class _RecordingTargetSampler(TargetSampler):
         self.recorder = recorder
 
     def __call__(self, logprobs: mx.array) -> mx.array:
-        self.recorder.rows = logprobs
+        self.recorder.record(logprobs)
         return super().__call__(logprobs)
 
     def probs(self, logprobs: mx.array) -> mx.array:
-        self.recorder.rows = logprobs
+        self.recorder.record(logprobs)
         return super().probs(logprobs)
 
 

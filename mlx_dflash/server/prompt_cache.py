@@ -128,6 +128,7 @@ class PromptCache:
     def store(self, session: DecodingSession) -> None:
         if self.max_bytes <= 0 or len(session.tokens) < 2:
             return
+        session.settle()  # the pending token must be in no cache (`fetch` may replace it)
         self._entries[self._next_key] = (session, session_bytes(session))
         self._next_key += 1
         while self._entries and self.nbytes > self.max_bytes:
