@@ -117,24 +117,6 @@ class Launched:
         return Verified(self.target_tokens[: a + 1].tolist(), a, self.features, self.inputs, self.checkpoint)
 
 
-def speculative_step(
-    target: TargetModel,
-    cache: list[Any],
-    proposer: Proposer | None,
-    sampler: Any,
-    last_token: mx.array,
-    position: int,
-    block_size: int,
-    timings: dict[str, float] | None = None,
-) -> Verified:
-    """Draft, verify and accept one block; the target cache is left holding all B inputs.
-
-    With no proposer (or block_size 1) this is one plain decoding step of the target.
-    `timings`, when given, accumulates draft/verify seconds (forcing a sync after drafting).
-    """
-    return launch_step(target, cache, proposer, sampler, last_token, position, block_size, timings).finish(timings)
-
-
 def launch_step(
     target: TargetModel,
     cache: list[Any],
@@ -145,7 +127,12 @@ def launch_step(
     block_size: int,
     timings: dict[str, float] | None = None,
 ) -> Launched:
-    """`speculative_step` up to the read-back: the cycle's graph, with the cache updated lazily."""
+    """Draft, verify and accept one block, lazily: the graph of the cycle, read back by `finish`.
+
+    The target cache is left holding all B inputs. With no proposer (or block_size 1) this
+    is one plain decoding step of the target. `timings`, when given, accumulates
+    draft/verify seconds (forcing a sync after drafting).
+    """
     start = time.perf_counter()
     capture = proposer.target_layer_ids if proposer is not None else ()
     draft, proposal, inputs = None, None, last_token.astype(mx.uint32)
