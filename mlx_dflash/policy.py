@@ -331,11 +331,13 @@ class AutoBlockSize:
         a size whose cost was measured rarely looks up to optimism / 2 cheaper, so that a
         calibration that misprices it (made while the machine was busy) gets corrected."""
         expected = self.acceptance.expected_tokens(optimism)
-        scores = {}
-        for L in self.sizes:
-            discount = 0.5 * optimism / (self.costs.counts.get(L, 0) + 1.0) ** 2
-            scores[L] = expected[L] / (self.costs.predict(L, position) * (1.0 - discount) + self.overhead + 1e-9)
-        return scores
+        return {L: expected[L] / self._seconds(L, position, optimism) for L in self.sizes}
+
+    def _seconds(self, size: int, position: int, optimism: float, measured: int = 0) -> float:
+        """A cycle's expected seconds, overhead included, as chosen with `optimism` (after
+        `measured` more cycles of the size)."""
+        discount = 0.5 * optimism / (self.costs.counts.get(size, 0) + measured + 1.0) ** 2
+        return self.costs.predict(size, position) * (1.0 - discount) + self.overhead + 1e-9
 
     def choose(self, limit: int, position: int) -> int:
         self._position = position
@@ -363,8 +365,7 @@ class AutoBlockSize:
         if self._best != 1 or self._probing:
             return False
         scores = self.scores(self._position, self.optimism)
-        discount = 0.5 * self.optimism / (self.costs.counts.get(1, 0) + 2.0) ** 2
-        plain = 1.0 / (self.costs.predict(1, self._position) * (1.0 - discount) + self.overhead + 1e-9)
+        plain = 1.0 / self._seconds(1, self._position, self.optimism, measured=1)
         if any(score >= plain for L, score in scores.items() if L != 1):
             return False
         # Until a probe is due: one due but waiting for credit may become affordable after
