@@ -8,7 +8,11 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
 - E[L] = 1 + sum_{j<L} prod_{k<=j} p_k, from online estimates of p_k, the chance
   that draft position k is accepted given that the draft reached it. Counts decay
   (recent text weighs most); each position's prior is the estimate of the one
-  before it, so an unseen deep position is expected to do as well as the last seen.
+  before it, so an unseen deep position is expected to do as well as the last seen,
+  but capped halfway between the pooled estimate of all positions before it and
+  certainty: else a few lucky full accepts make a chain of positions seen once each
+  look certain, and on a machine where a wide block costs many plain steps (a CPU, a
+  4-bit target) that near-certainty buys a 16-token verify that fails early.
   Text changes faster than decay forgets (a list ends, prose begins): a run of
   first-position outcomes the estimates call very unlikely shrinks the first position's
   evidence to a couple of observations and drops the deeper ones' (they restart from
@@ -17,8 +21,9 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
   measured on this machine: `calibration.py`) or, without one, from a generic
   shape; measured cycles correct it per L by a smoothed ratio (sizes not measured
   lately take the others'), so t(L) follows the machine's load. Other work only ever
-  adds time: one slow cycle counts at most 1.25x the current price, and a faster one
-  counts double, so a hiccup does not send the choice to sizes it left cheaper-looking.
+  adds time: a price rises only as far as two slow cycles in a row of that size show (and
+  at most 1.25x per cycle), and a faster cycle counts double, so a hiccup does not send
+  the choice to sizes it left cheaper-looking.
 
 Greedily exploiting estimates would never learn that an unused size became better,
 so choosing is optimistic about what was seen rarely (the first draft position's
@@ -142,6 +147,7 @@ class AcceptanceModel:
     depth: int  # draft positions (max block - 1)
     prior_mean: float = 0.5  # first position's prior: optimistic enough to try drafting
     prior_strength: float = 1.0
+    chain_cap: float = 0.5  # a deep position's prior: at most this far from the pooled estimate to 1
     memory: float = 16.0  # observations of a position after which old ones weigh 1/e
     surprise: float = 0.002  # a run of first-position outcomes this unlikely under the estimates...
     forget_to: float = 2.0  # ...shrinks every position's evidence to this many observations
@@ -192,8 +198,13 @@ class AcceptanceModel:
         times is judged on that. Deeper positions get no bonus of their own: they follow
         the chain, since a bonus on every rarely reached position compounds into long blocks."""
         out, prior = [], self.prior_mean
+        pooled_a, pooled_r = self.prior_strength * self.prior_mean, self.prior_strength
         for k, (r, a) in enumerate(zip(self.reached, self.accepted, strict=True)):
+            if k:  # seen once each and accepted, a chain of positions would climb towards 1
+                pooled = pooled_a / pooled_r
+                prior = min(prior, pooled + self.chain_cap * (1.0 - pooled))
             prior = (a + self.prior_strength * prior) / (r + self.prior_strength)
+            pooled_a, pooled_r = pooled_a + a, pooled_r + r
             out.append(min(prior + optimism / (r + 1.0), 1.0) if optimism and k == 0 else prior)
         return out
 
@@ -230,6 +241,7 @@ class CostModel:
     ratio: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
     updated: dict[int, int] = field(default_factory=dict)  # L -> observation count at its last update
     counts: dict[int, int] = field(default_factory=dict)  # L -> cycles of L measured
+    last: dict[int, float] = field(default_factory=dict)  # L -> its last measured ratio
     observations: int = 0
     _shared: float = 1.0  # recency-weighted mean ratio over the sizes
 
@@ -264,14 +276,17 @@ class CostModel:
     def observe(self, size: int, position: int, seconds: float) -> None:
         if self.base_seconds(size, position) is None:
             self.unit = seconds / generic_cost(size)  # uncalibrated: the generic shape, in seconds
-        measured = seconds / self.base_seconds(size, position)
-        old = self.ratio.get(size)
+        measured = raw = seconds / self.base_seconds(size, position)
+        # The current price: the size's own ratio, or what the others say if its own is stale
+        # (the machine's load may have changed since).
+        old = self._ratio_for(size) if size in self.ratio else None
         if old is None:  # a calibrated size's first measurement is trusted, up to a hiccup
             self.ratio[size] = min(measured, self.max_step * self._shared) if size in self.base else measured
-        else:  # other work only ever adds time: a hiccup (another process, a page fault) moves the
-            # price a little, a lasting slowdown comes through within a few cycles, a speed-up at once
-            measured = min(measured, self.max_step * old)
+        else:  # other work only ever adds time: a hiccup (another process, a page fault) leaves the
+            # price alone, a lasting slowdown comes through from its second cycle, a speed-up at once
+            measured = min(measured, self.max_step * old, max(self.last[size], old))
             self.ratio[size] = old + (self.smoothing if measured > old else 2 * self.smoothing) * (measured - old)
+        self.last[size] = raw
         self.observations += 1
         self.updated[size] = self.observations
         self.counts[size] = self.counts.get(size, 0) + 1

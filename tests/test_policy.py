@@ -14,6 +14,7 @@ from mlx_dflash.policy import (
     AUTO,
     AcceptanceModel,
     AutoBlockSize,
+    CostModel,
     FixedBlockSize,
     candidate_sizes,
     make_policy,
@@ -272,10 +273,12 @@ def test_a_calibration_that_misprices_sizes_is_corrected():
     # The sizes it never tries keep their wrong price unless a probe measures them.
     p, cost = 0.5, measured_cpu_cost
     skewed = {L: (cost(L, 0) * (1.25 if 3 <= L <= 6 else 1.0) * (0.88 if L == 2 else 1.0), 0.0) for L in SIZES}
-    for seed in range(4):
+    rates = []
+    for seed in range(8):  # one run's luck moves its rate by +-5%: judge the mean
         policy = AutoBlockSize(16, base_costs=skewed)
         _, outcomes = simulate(policy, 300, cost, lambda i: p, np.random.default_rng(seed))
-        assert rate(outcomes[100:]) >= 0.9 * best_rate(cost, p)  # trusting the calibration: 0.87
+        rates.append(rate(outcomes[100:]) / best_rate(cost, p))
+    assert np.mean(rates) >= 0.93, rates  # trusting the calibration (no optimism): 0.906
 
 
 def drafter_cost(L, n):  # CPU, a 2-layer drafter: a draft pass costs 35 ms on top of the verify
@@ -343,11 +346,61 @@ def test_a_slow_cycle_now_and_then_does_not_move_the_choice():
         return lambda L, n: measured_cpu_cost(L, n) * (2.5 if rng.random() < 1 / 30 else 1.0)
 
     for p, choice in ((0.95, 16), (0.0, 1)):
-        for seed in range(3):
+        counts = []
+        for seed in range(6):
             rng = np.random.default_rng(seed)
             policy = AutoBlockSize(16, base_costs=calibrated(measured_cpu_cost))
             sizes, _ = simulate(policy, 300, slowed(rng), lambda i, p=p: p, rng)
-            assert sizes[20:].count(choice) >= 250, (p, seed, sizes)
+            counts.append(sizes[20:].count(choice))
+        assert np.mean(counts) >= 255 and min(counts) >= 200, (p, counts)  # of 280
+
+
+def test_a_hiccup_leaves_a_price_alone_and_a_lasting_slowdown_moves_it():
+    costs = CostModel({1: (0.1, 0.0), 4: (0.2, 0.0)})
+    for _ in range(5):
+        costs.observe(1, 0, 0.1)
+    costs.observe(1, 0, 0.25)  # another process took this one cycle
+    assert costs.predict(1, 0) == pytest.approx(0.1)
+    costs.observe(1, 0, 0.1)
+    costs.observe(1, 0, 0.25)  # slow cycles, but never two in a row: still hiccups
+    assert costs.predict(1, 0) == pytest.approx(0.1)
+    for _ in range(12):  # the machine stays 2.5x slower: the price follows, 1.25x a cycle at most
+        costs.observe(1, 0, 0.25)
+    assert costs.predict(1, 0) > 0.19
+    for _ in range(12):
+        costs.observe(1, 0, 0.25)
+    assert costs.predict(1, 0) == pytest.approx(0.25, rel=0.05)
+    costs.observe(1, 0, 0.1)  # and a speed-up counts at once
+    assert costs.predict(1, 0) < 0.2
+
+
+def test_a_size_measured_again_after_the_load_changed_takes_the_current_price():
+    # Size 12 was measured while the machine was idle, then only size 4 for a while, with
+    # the machine 2.5x slower: 12's old price is stale, and its next measurement is no hiccup.
+    costs = CostModel({4: (0.2, 0.0), 12: (0.5, 0.0)})
+    for _ in range(3):
+        costs.observe(12, 0, 0.5)
+    for _ in range(40):
+        costs.observe(4, 0, 0.5)
+    assert costs.predict(12, 0) == pytest.approx(1.25, rel=0.05)  # the others' ratio
+    costs.observe(12, 0, 1.25)
+    assert costs.predict(12, 0) == pytest.approx(1.25, rel=0.05)  # was 0.53: clipped as a hiccup of 0.5
+
+
+def test_a_few_lucky_full_accepts_do_not_make_deep_positions_look_certain():
+    # 30 two-token drafts, 27 accepted; then one 6-token draft accepted whole. Positions 2-6
+    # seen once each: as a plain chain of priors, the unseen ones after them would be 0.997
+    # (E[16] 13.4), and where a 16-token verify costs 13 plain steps (a 4-bit target on a
+    # CPU) that would buy one.
+    model = AcceptanceModel(depth=15)
+    for i in range(30):
+        model.observe(1, int(i % 10 != 0))
+    model.observe(6, 6)
+    rates = model.rates()
+    assert max(rates[6:]) < 0.97, rates
+    assert model.expected_tokens()[16] < 12.5
+    model.chain_cap = 1.0  # the witness: no cap
+    assert min(model.rates()[6:]) > 0.99
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.95])
