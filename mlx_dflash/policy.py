@@ -42,7 +42,10 @@ Deep positions get no optimism of their own: reached rarely by a mediocre drafte
 would look good and together they would pull toward the widest block.
 While plain steps are best and no probe is due, the policy promises the next cycle is a
 plain step too (`promise_plain`), so that the loop launches it before reading this one, as
-mlx-lm pipelines decoding; the promise binds the next choice.
+mlx-lm pipelines decoding; the promise binds the next choice. Choosing plain steps is priced
+as such a run (the cost model's in-order price times `pipelined`, the saving measured on the
+steps launched ahead): priced in order, plain steps lose near-ties they would win, and a
+plain step that is not promised is never launched ahead, so the saving would never show.
 Whatever L is chosen, each cycle is an exact target decoding step: the policy changes
 speed only, never the output. Its per-cycle work is a few dozen float operations on
 Python numbers (no array work, no host sync).
@@ -310,6 +313,8 @@ class AutoBlockSize:
     acceptance: AcceptanceModel | None = None
     costs: CostModel | None = None
     overhead: float = 0.0  # seconds between cycles (streaming), smoothed
+    pipelined: float = 0.9  # a plain step launched ahead / one launched in order (seconds): learnt, from a hopeful
+    # guess (plain steps not chosen are never launched ahead, so a timid one would never be corrected)
     predicted_tokens: float = 0.0  # sums over the chosen cycles, for predicted vs measured tok/s
     predicted_seconds: float = 0.0
     measured_tokens: float = 0.0  # the same cycles as measured
@@ -324,6 +329,7 @@ class AutoBlockSize:
     _best_rate: float = 0.0  # the best size's expected tokens per second at the last ranking
     _close: bool = False  # the last probe made the runner-up look close
     _promised: bool = False  # the next cycle was promised to be a plain step
+    _ahead: bool = False  # this cycle is a promised plain step, launched before the last one was read
     _last_end: float | None = None
     prediction: tuple[float, float] | None = None  # the last choice's expected (tokens, seconds)
     _position: int = 0
@@ -352,7 +358,13 @@ class AutoBlockSize:
         """A cycle's expected seconds, overhead included, as chosen with `optimism` (after
         `measured` more cycles of the size)."""
         discount = 0.5 * optimism / (self.costs.counts.get(size, 0) + measured + 1.0) ** 2
-        return self.costs.predict(size, position) * (1.0 - discount) + self.overhead + 1e-9
+        return self._cycle_seconds(size, position) * (1.0 - discount) + self.overhead + 1e-9
+
+    def _cycle_seconds(self, size: int, position: int, ahead: bool = True) -> float:
+        # Choosing plain steps means a run of them, all but the first launched ahead: priced in
+        # order, plain steps would lose near-ties they win, and, not promised, never be pipelined.
+        seconds = self.costs.predict(size, position)
+        return seconds * self.pipelined if size == 1 and ahead else seconds
 
     def choose(self, limit: int, position: int) -> int:
         self._position = position
@@ -366,9 +378,9 @@ class AutoBlockSize:
             self._since_probe += 1
         else:
             size = self._pick(position)
-        self._promised = False
+        self._ahead, self._promised = self._promised, False
         size = min(size, limit)
-        seconds = self.costs.predict(size, position)
+        seconds = self._cycle_seconds(size, position, self._ahead)
         # No prediction before the cost model has an opinion of this size.
         self.prediction = (self.acceptance.expected_tokens()[size], seconds + self.overhead) if seconds else None
         return size
@@ -421,7 +433,12 @@ class AutoBlockSize:
             self.acceptance.observe(size - 1, accepted)
         first = size not in self._seen
         if not first and size in self.sizes:  # a size's first cycle may include setup
-            self.costs.observe(size, self._position, seconds)
+            in_order = seconds
+            if self._ahead:  # the cost model keeps in-order prices; the saving of launching ahead apart
+                ratio = seconds / max(self.costs.predict(1, self._position), 1e-9)
+                self.pipelined += 0.1 * (min(max(ratio, 0.5), 1.0) - self.pipelined)
+                in_order = seconds / self.pipelined
+            self.costs.observe(size, self._position, in_order)
         self._seen.add(size)
         if self._probing and first:  # a probe that measured nothing: probe again next cycle
             self._since_probe, self._interval = self._interval, max(self._interval // 2, self.probe_every)
