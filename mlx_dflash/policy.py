@@ -361,8 +361,7 @@ class AutoBlockSize:
         return self._cycle_seconds(size, position) * (1.0 - discount) + self.overhead + 1e-9
 
     def _cycle_seconds(self, size: int, position: int, ahead: bool = True) -> float:
-        # Choosing plain steps means a run of them, all but the first launched ahead: priced in
-        # order, plain steps would lose near-ties they win, and, not promised, never be pipelined.
+        # Choosing plain steps means a run of them, all but the first launched ahead (module docstring).
         seconds = self.costs.predict(size, position)
         return seconds * self.pipelined if size == 1 and ahead else seconds
 

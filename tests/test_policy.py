@@ -32,11 +32,12 @@ def best_rate(cost, p: float, position: int = 0) -> float:
     return max(expected_tokens(L, p) / cost(L, position) for L in SIZES)
 
 
-def simulate(policy: AutoBlockSize, cycles: int, cost, p, rng, start: int = 0, promises: list | None = None):
+def simulate(policy: AutoBlockSize, cycles: int, cost, p, rng, start: int = 0, promises: list | None = None,
+             ahead_saving: float = 1.0):
     """Drive the policy: each draft position is accepted with probability p(cycle) while the
     previous one was; a cycle with block L costs cost(L, position) 'seconds'.
-    Each plain step asks whether the next is one too, as the decode loop does (launching ahead
-    saves nothing here); `promises` collects the answers.
+    Each plain step asks whether the next is one too, as the decode loop does; a plain step
+    launched ahead costs `ahead_saving` times its cost; `promises` collects the answers.
     Returns the chosen sizes and per-cycle (tokens, seconds)."""
     sizes, outcomes, position = [], [], start
     promises = [] if promises is None else promises
@@ -48,7 +49,8 @@ def simulate(policy: AutoBlockSize, cycles: int, cost, p, rng, start: int = 0, p
         accepted = 0
         while accepted < size - 1 and rng.random() < p(i):
             accepted += 1
-        seconds = cost(size, position)
+        ahead = size == 1 and len(promises) > 1 and promises[-2]
+        seconds = cost(size, position) * (ahead_saving if ahead else 1.0)
         policy.record(size, accepted, seconds)
         sizes.append(size)
         outcomes.append((accepted + 1, seconds))
@@ -437,21 +439,11 @@ def test_plain_steps_are_priced_as_launched_ahead():
         policy = AutoBlockSize(16, base_costs=calibrated(cost))
         if not pipelined:  # the witness: plain steps priced in order, and never learning otherwise
             policy.pipelined, policy._cycle_seconds = 1.0, lambda size, position, ahead=True: cost(size, position)
-        tokens = seconds = 0.0
-        ahead = False
+        outcomes, promises = [], []
         for _ in range(3):
             policy.begin()
-            position = 0
-            for _ in range(150):
-                size = policy.choose(10**9, position)
-                accepted = 0
-                while accepted < size - 1 and rng.random() < 0.95:
-                    accepted += 1
-                took = cost(size, position) * (0.88 if ahead and size == 1 else 1.0)
-                ahead = size == 1 and policy.promise_plain()
-                policy.record(size, accepted, took)
-                tokens, seconds, position = tokens + accepted + 1, seconds + took, position + accepted + 1
-        rates[pipelined] = tokens / seconds
+            outcomes += simulate(policy, 150, cost, lambda i: 0.95, rng, promises=promises, ahead_saving=0.88)[1]
+        rates[pipelined] = rate(outcomes)
         if pipelined:
             assert 0.85 < policy.pipelined < 0.91  # learnt from the steps it launched ahead
     assert rates[True] > 1.1 > 1.09 > rates[False], rates  # 1 / 0.88 = 1.14 at best
