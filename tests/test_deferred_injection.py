@@ -51,12 +51,14 @@ def test_deferred_injection_equals_eager(family, targets, drafters):
     deferred, deferred_logits = run(target, drafter, True, prompt, SCHEDULE, checkpoints)
     assert eager.tokens == deferred.tokens
     for a, b in zip(eager_logits, deferred_logits, strict=True):
-        assert mx.array_equal(a, b).item(), mx.abs(a - b).max().item()
-    # The context K/V written into the draft cache are the same numbers.
+        # Some BLAS builds round a batched projection differently from one row at a time
+        # (seen: 3e-6 on an AMD EPYC); a feature missing or misplaced moves logits by ~1.
+        assert mx.allclose(a, b, rtol=0, atol=1e-5).item(), mx.abs(a - b).max().item()
+    # The context K/V written into the draft cache are the same numbers (to BLAS rounding).
     ce, cd = eager.proposer.cache, deferred.proposer.cache
     assert ce.offset == cd.offset == deferred.position
     for ke, kd in zip(ce.keys + ce.values, cd.keys + cd.values, strict=True):
-        assert mx.array_equal(ke[..., : ce.stored, :], kd[..., : cd.stored, :]).item()
+        assert mx.allclose(ke[..., : ce.stored, :], kd[..., : cd.stored, :], rtol=0, atol=1e-5).item()
 
 
 def test_plain_steps_leave_the_drafter_alone(targets, drafters):
