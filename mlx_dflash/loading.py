@@ -17,7 +17,7 @@ from .distributed import one_rank_at_a_time, shard_target, world
 from .drafter import DFlashDraftModel, ModelArgs
 from .dtypes import DTYPES, cast_floats, default_dtype  # noqa: F401  (re-exported)
 from .errors import DFlashError
-from .resolve import resolve_path, target_source
+from .resolve import drafter_source, resolve_path, target_source
 from .target import TargetModel, check_forward
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
@@ -169,7 +169,5 @@ def load(
     drafter = None
     if draft is not None:
         target = TargetModel(target_model)
-        from .resolve import drafter_source
-
         drafter = load_drafter(drafter_source(draft), target, dtype=mx_dtype or target.dtype)
     return target_model, tokenizer, drafter

@@ -82,6 +82,32 @@ def test_modes_interleave_and_greedy_outputs_match(pair):
     assert b[1].prompt_tokens > b[0].prompt_tokens + b[0].generated_tokens
 
 
+class CallLog:
+    """An engine wrapper that logs when it is run."""
+
+    def __init__(self, inner, log: list[str]):
+        self.inner, self.log = inner, log
+        self.name, self.block_size = inner.name, inner.block_size
+
+    def run(self, prompt_ids, **kwargs) -> Run:
+        self.log.append(self.name)
+        return self.inner.run(prompt_ids, **kwargs)
+
+
+def test_the_mode_that_runs_first_rotates(pair):
+    log: list[str] = []
+    logged = [CallLog(e, log) for e in engines(pair)]
+    result = run_bench(logged, pair[1], PROMPTS, BenchConfig(max_tokens=6, repeats=2))
+    warm, timed = log[:3], log[3:]
+    assert warm == ["mlx-lm", "target", "dflash-b4"]
+    rounds = [timed[i : i + 3] for i in range(0, len(timed), 3)]
+    assert rounds[:4] == [["mlx-lm", "target", "dflash-b4"], ["target", "dflash-b4", "mlx-lm"],
+                          ["dflash-b4", "mlx-lm", "target"], ["mlx-lm", "target", "dflash-b4"]]
+    # Records stay in engine order, and mlx-lm (engines[0]) is still the reference when it runs last.
+    assert [r.mode for r in result.records[:6]] == ["mlx-lm", "target", "dflash-b4"] * 2
+    assert result.ok and all(r.match for r in result.records)
+
+
 def test_lossy_engine_is_reported_as_a_failure(pair):
     model, tokenizer, draft = pair
     lossy = LossyEngine(DFlashEngine(model, tokenizer, draft, 4))

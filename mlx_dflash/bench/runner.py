@@ -1,7 +1,9 @@
 """Run every mode on every prompt, interleaved, and check that greedy outputs agree.
 
 Modes run back to back on the same prompt (not one whole pass per mode), so slow
-drift of the machine (heat, other load) hits all modes alike. With greedy decoding
+drift of the machine (heat, other load) hits all modes alike, and the mode that goes
+first rotates from one prompt run to the next, so that no mode always runs after the
+same other one (its leftover memory and cache state) or always first. With greedy decoding
 every mode must produce the baseline's exact tokens: a mismatch is a failure.
 """
 
@@ -141,6 +143,7 @@ def run_bench(
         engine.run(warm, max_tokens=min(WARMUP_TOKENS, config.max_tokens), temp=config.temp, seed=config.seed)
     result = BenchResult()
     greedy = config.temp == 0
+    rounds = 0
     for context in config.contexts:
         for prompt in prompts:
             for repeat in range(config.repeats):
@@ -150,10 +153,8 @@ def run_bench(
                         text = _pad(tokenizer, prompt, context, pool, config.think)
                     messages.append({"role": "user", "content": text})
                     ids = chat_ids(tokenizer, messages, config.think)
-                    runs = [
-                        e.run(ids, max_tokens=config.max_tokens, temp=config.temp, seed=config.seed)
-                        for e in engines
-                    ]
+                    runs = _run_rotated(engines, rounds, ids, config)
+                    rounds += 1
                     reference = runs[0].tokens
                     for engine, run in zip(engines, runs, strict=True):
                         mismatch = first_mismatch(reference, run.tokens) if greedy else None
@@ -169,3 +170,16 @@ def run_bench(
                     if on_step is not None:
                         on_step(prompt, turn)
     return result
+
+
+def running_order(num_engines: int, round_index: int) -> list[int]:
+    """The engines' order in one round: rotated by one each round (records stay in engine order)."""
+    first = round_index % num_engines
+    return [(first + i) % num_engines for i in range(num_engines)]
+
+
+def _run_rotated(engines: Sequence[Engine], round_index: int, ids: list[int], config: BenchConfig) -> list[Run]:
+    runs: dict[int, Run] = {}
+    for i in running_order(len(engines), round_index):
+        runs[i] = engines[i].run(ids, max_tokens=config.max_tokens, temp=config.temp, seed=config.seed)
+    return [runs[i] for i in range(len(engines))]
