@@ -66,10 +66,17 @@ def _cell(spread: dict | None, fmt: str, suffix: str = "") -> str:
     return text
 
 
+def _paired_cell(paired: dict | None) -> str:
+    if not paired:
+        return "-"
+    return f"{paired['ratio']:.2f}x [dim]({paired['low']:.2f}-{paired['high']:.2f})[/]"
+
+
 def results_table(rows: list[dict]) -> Table:
     from mlx_dflash.bench.report import cycle_text, sizes_text
 
-    table = Table(title="dflash-mlx bench (median over repeats, range in brackets)", header_style="bold")
+    table = Table(title="dflash-mlx bench (median over repeats, range in brackets; vs target: pooled over the "
+                        "same runs, 90% interval in brackets)", header_style="bold")
     for name, justify in [("dataset", "left"), ("ctx", "right"), ("mode", "left"), ("tau", "right"),
                           ("decode tok/s", "right"), ("speedup", "right"), ("vs target", "right"),
                           ("TTFT s", "right"), ("peak GB", "right"), ("ms/cycle", "right"),
@@ -80,7 +87,7 @@ def results_table(rows: list[dict]) -> Table:
         table.add_row(
             r["dataset"], str(r["context"] or "-"), r["mode"], f"{r['tau']:.2f}" if r["tau"] is not None else "-",
             _cell(r["decode_tps"], ".1f"), _cell(r["speedup"], ".2f", "x") if r["mode"] != "mlx-lm" else "-",
-            _cell(r["speedup_vs_target"], ".2f", "x") if r["mode"] not in ("mlx-lm", "target") else "-",
+            _paired_cell(r["paired_vs_target"]) if r["mode"] != "target" else "-",
             _cell(r["ttft_s"], ".3f"), f"{r['peak_memory_gb']:.2f}", cycle_text(cyc),
             sizes_text(r["block_size_histogram"]),
             f"{r['predicted_tps']:.1f}" if r["predicted_tps"] is not None else "-",

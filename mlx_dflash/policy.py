@@ -431,7 +431,11 @@ class AutoBlockSize:
         if size > 1:
             self.acceptance.observe(size - 1, accepted)
         first = size not in self._seen
-        if not first and size in self.sizes:  # a size's first cycle may include setup
+        # A size's first cycle may include setup (allocation), which only adds time: so it is
+        # skipped, unless it beat the size's price (then the price was too high: keep that news).
+        price = self.costs.predict(size, self._position) * (self.pipelined if self._ahead else 1.0)
+        measured = size in self.sizes and (not first or seconds < price)
+        if measured:
             in_order = seconds
             if self._ahead:  # the cost model keeps in-order prices; the saving of launching ahead apart
                 ratio = seconds / max(self.costs.predict(1, self._position), 1e-9)
@@ -439,7 +443,7 @@ class AutoBlockSize:
                 in_order = seconds / self.pipelined
             self.costs.observe(size, self._position, in_order)
         self._seen.add(size)
-        if self._probing and first:  # a probe that measured nothing: probe again next cycle
+        if self._probing and first and not measured:  # a probe that measured nothing: probe again next cycle
             self._since_probe, self._interval = self._interval, max(self._interval // 2, self.probe_every)
         elif self._probing:
             scores = self.scores(self._position)

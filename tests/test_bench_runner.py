@@ -22,6 +22,7 @@ from mlx_dflash.bench import (
     summarize,
 )
 from mlx_dflash.bench.runner import first_mismatch
+from mlx_dflash.bench.stats import paired_ratio
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
 PROMPTS = [
@@ -161,11 +162,34 @@ def test_summary_figures():
     assert d["decode_tps"] == {"median": 20.0, "min": 20.0, "max": 20.0}
     assert d["speedup"] == {"median": pytest.approx(3.0), "min": pytest.approx(2.0), "max": pytest.approx(4.0)}
     assert d["speedup_vs_target"]["median"] == pytest.approx(4.0)
+    assert d["paired_vs_target"] == {"ratio": pytest.approx(4.0), "low": pytest.approx(4.0), "high": pytest.approx(4.0)}
+    assert rows["target"]["paired_vs_target"]["ratio"] == pytest.approx(1.0)
     assert d["cycle_ms"]["draft"] == pytest.approx(12.5) and d["cycle_ms"]["verify"] == pytest.approx(37.5)
     assert d["cycle_ms"]["overhead"] == pytest.approx(1e3 * (1.0 - 0.4) / 8)
     assert d["ttft_s"]["median"] == pytest.approx(0.15)
     assert rows["mlx-lm"]["tau"] is None and rows["mlx-lm"]["speedup"]["median"] == pytest.approx(1.0)
     assert first_mismatch([1, 2, 3], [1, 2]) == 2 and first_mismatch([1, 2], [1, 2]) is None
+
+
+def test_paired_interval_cancels_what_hits_both_modes_alike():
+    # Prompt "fast" decodes 5x faster than prompt "slow" in both modes; the mode is always 2x the target.
+    records = []
+    for repeat in range(4):
+        for prompt, seconds in (("fast", 1.0), ("slow", 5.0)):
+            for mode, factor in (("target", 1.0), ("dflash-auto", 0.5)):
+                r = _rec(mode, repeat, 11, seconds * factor)
+                r.prompt_id = prompt
+                records.append(r)
+    paired = paired_ratio([r for r in records if r.mode == "dflash-auto"], [r for r in records if r.mode == "target"])
+    assert paired == {"ratio": pytest.approx(2.0), "low": pytest.approx(2.0), "high": pytest.approx(2.0)}
+    # Noise of its own widens the interval around the pooled ratio; the same records give the same interval.
+    for i, r in enumerate(r for r in records if r.mode == "dflash-auto"):
+        r.decode_s *= 1.0 + 0.1 * (i % 3 - 1)
+    mode, base = [r for r in records if r.mode == "dflash-auto"], [r for r in records if r.mode == "target"]
+    noisy = paired_ratio(mode, base)
+    assert noisy["low"] < noisy["ratio"] < noisy["high"] and noisy["high"] - noisy["low"] > 0.05
+    assert paired_ratio(mode, base) == noisy
+    assert paired_ratio(mode, []) is None
 
 
 def _documented(section: str) -> list[str]:

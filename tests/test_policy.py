@@ -123,6 +123,27 @@ def test_the_policy_finds_the_best_size(cost, p, expect, calibrate):
         assert sum(good) >= 32, sizes[:40]
 
 
+def test_a_first_cycle_faster_than_its_price_corrects_the_price():
+    # A calibration made under load priced block 16 at 1.5x its cost. Its first cycle may
+    # include setup (only ever slower), but one faster than the price is news to keep.
+    base = calibrated(cpu_cost)
+    base[16] = (1.5 * cpu_cost(16, 0), 0.0)
+    policy = AutoBlockSize(16, base_costs=base)
+    policy.choose(10**9, 0)
+    policy.record(16, 15, cpu_cost(16, 0))
+    assert policy.costs.predict(16, 0) == pytest.approx(cpu_cost(16, 0), rel=0.01)
+    # A first cycle slower than its price may be setup: the price stays.
+    policy.choose(10**9, 16)
+    price = policy.costs.predict(12, 16)
+    policy.record(12, 11, 3.0 * price)
+    assert policy.costs.predict(12, 16) == pytest.approx(price)
+    # The next cycles of that size count as before.
+    for _ in range(6):
+        policy.choose(10**9, 16)
+        policy.record(12, 11, 0.8 * cpu_cost(12, 0))
+    assert policy.costs.predict(12, 16) == pytest.approx(0.8 * cpu_cost(12, 0), rel=0.05)
+
+
 def test_the_choice_follows_a_cost_that_changes_mid_run():
     # The verify cost per token grows with the context (attention): cheap early, dear later;
     # and at cycle 150 the machine gets 2.5x slower (another job starts).

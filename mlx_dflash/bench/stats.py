@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -42,6 +43,35 @@ def _ratio(mode: dict[int, list[Record]], base: dict[int, list[Record]]) -> list
     return out
 
 
+def _pairs(mode: Sequence[Record], base: Sequence[Record]) -> list[tuple[Record, Record]]:
+    """The mode's runs matched with the base mode's runs of the same prompt turn and repeat."""
+    key = lambda r: (r.dataset, r.prompt_id, r.turn, r.context, r.repeat)  # noqa: E731
+    by_key = {key(r): r for r in base}
+    return [(r, by_key[key(r)]) for r in mode if key(r) in by_key]
+
+
+def paired_ratio(mode: Sequence[Record], base: Sequence[Record], level: float = 0.9,
+                 resamples: int = 2000) -> dict[str, float] | None:
+    """Pooled decode tok/s over the base mode's, on the same runs, with a bootstrap interval.
+
+    The runs are resampled as pairs (a mode's run with the base's run of the same prompt and
+    repeat), so the noise that hits both alike (a slow prompt, a slow minute) cancels; the
+    seed is fixed, so the same records give the same interval.
+    """
+    pairs = _pairs(mode, base)
+    if not pairs:
+        return None
+
+    def ratio(sample: Sequence[tuple[Record, Record]]) -> float:
+        b = decode_tps([p[1] for p in sample])
+        return decode_tps([p[0] for p in sample]) / b if b > 0 else 0.0
+
+    rng = random.Random(0)
+    draws = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(resamples))
+    cut = int((1.0 - level) / 2 * resamples)
+    return {"ratio": ratio(pairs), "low": draws[cut], "high": draws[-cut - 1]}
+
+
 def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str = "target") -> list[dict[str, Any]]:
     """One row per (dataset, context, mode), then the same over all datasets (dataset "all")."""
     groups: dict[tuple[str, int | None, str], list[Record]] = defaultdict(list)
@@ -77,6 +107,7 @@ def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str =
             "ttft_s": spread([statistics.median(r.ttft_s for r in v) for _, v in sorted(per_repeat.items())]),
             "speedup": spread(_ratio(per_repeat, base)) if base else None,
             "speedup_vs_target": spread(_ratio(per_repeat, alone)) if alone else None,
+            "paired_vs_target": paired_ratio(recs, groups.get((dataset, context, target), [])) if alone else None,
             "peak_memory_gb": max(r.peak_memory_gb for r in recs),
             "tau": mean_acceptance(lengths) if cycles else None,
             "cycles": cycles,
