@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import random
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from ..generate import acceptance_histogram, mean_acceptance
 from .runner import Record
@@ -61,15 +62,17 @@ def paired_ratio(mode: Sequence[Record], base: Sequence[Record], level: float = 
     pairs = _pairs(mode, base)
     if not pairs:
         return None
+    tokens = np.array([[max(r.generated_tokens - 1, 0) for r in pair] for pair in pairs], dtype=np.float64)
+    seconds = np.array([[r.decode_s for r in pair] for pair in pairs], dtype=np.float64)
 
-    def ratio(sample: Sequence[tuple[Record, Record]]) -> float:
-        b = decode_tps([p[1] for p in sample])
-        return decode_tps([p[0] for p in sample]) / b if b > 0 else 0.0
+    def ratio(t: np.ndarray, s: np.ndarray) -> np.ndarray:  # (..., pairs, 2) -> (...)
+        rate = np.divide(t.sum(-2), s.sum(-2), out=np.zeros(t.shape[:-2] + (2,)), where=s.sum(-2) > 0)
+        return np.divide(rate[..., 0], rate[..., 1], out=np.zeros(rate.shape[:-1]), where=rate[..., 1] > 0)
 
-    rng = random.Random(0)
-    draws = sorted(ratio([rng.choice(pairs) for _ in pairs]) for _ in range(resamples))
+    picks = np.random.default_rng(0).integers(len(pairs), size=(resamples, len(pairs)))
+    draws = np.sort(ratio(tokens[picks], seconds[picks]))
     cut = int((1.0 - level) / 2 * resamples)
-    return {"ratio": ratio(pairs), "low": draws[cut], "high": draws[-cut - 1]}
+    return {"ratio": float(ratio(tokens, seconds)), "low": float(draws[cut]), "high": float(draws[-cut - 1])}
 
 
 def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str = "target") -> list[dict[str, Any]]:
