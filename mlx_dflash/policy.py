@@ -8,11 +8,14 @@ E[L] / (t(L) + overhead) among a few candidate sizes:
 - E[L] = 1 + sum_{j<L} prod_{k<=j} p_k, from online estimates of p_k, the chance
   that draft position k is accepted given that the draft reached it. Counts decay
   (recent text weighs most); each position's prior is the estimate of the one
-  before it, so an unseen deep position is expected to do as well as the last seen,
-  but capped halfway between the pooled estimate of all positions before it and
-  certainty: else a few lucky full accepts make a chain of positions seen once each
-  look certain, and on a machine where a wide block costs many plain steps (a CPU, a
-  4-bit target) that near-certainty buys a 16-token verify that fails early.
+  before it, worth two observations, so an unseen deep position is expected to do as
+  well as the last seen (worth one, a single rejection just past the chosen block
+  would pass ~0.5 to every deeper position, and that block, never drafting there,
+  would stay chosen for the rest of the reply), but capped halfway between the pooled
+  estimate of all positions before it and certainty: else a few lucky full accepts
+  make a chain of positions seen once each look certain, and on a machine where a
+  wide block costs many plain steps (a CPU, a 4-bit target) that near-certainty buys
+  a 16-token verify that fails early.
   Text changes faster than decay forgets (a list ends, prose begins): a run of
   first-position outcomes the estimates call very unlikely shrinks the first position's
   evidence to a couple of observations and drops the deeper ones' (they restart from
@@ -151,6 +154,7 @@ class AcceptanceModel:
     prior_mean: float = 0.5  # first position's prior: optimistic enough to try drafting
     prior_strength: float = 1.0
     chain_cap: float = 0.5  # a deep position's prior: at most this far from the pooled estimate to 1
+    chain_strength: float = 2.0  # observations a deep position's prior weighs (the first's: prior_strength)
     memory: float = 16.0  # observations of a position after which old ones weigh 1/e
     surprise: float = 0.002  # a run of first-position outcomes this unlikely under the estimates...
     forget_to: float = 2.0  # ...shrinks every position's evidence to this many observations
@@ -206,7 +210,8 @@ class AcceptanceModel:
             if k:  # seen once each and accepted, a chain of positions would climb towards 1
                 pooled = pooled_a / pooled_r
                 prior = min(prior, pooled + self.chain_cap * (1.0 - pooled))
-            prior = (a + self.prior_strength * prior) / (r + self.prior_strength)
+            strength = self.chain_strength if k else self.prior_strength
+            prior = (a + strength * prior) / (r + strength)
             pooled_a, pooled_r = pooled_a + a, pooled_r + r
             out.append(min(prior + optimism / (r + 1.0), 1.0) if optimism and k == 0 else prior)
         return out
