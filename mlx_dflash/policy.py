@@ -438,8 +438,8 @@ class AutoBlockSize:
         first = size not in self._seen
         # A size's first cycle may include setup (allocation), which only adds time: so it is
         # skipped, unless it beat the size's price (then the price was too high: keep that news).
-        position = self._position
-        measured = size in self.sizes and (not first or seconds < self._cycle_seconds(size, position, self._ahead))
+        price = self._cycle_seconds(size, self._position, self._ahead)
+        measured = size in self.sizes and (not first or seconds < price)
         if measured:
             in_order = seconds
             if self._ahead:  # the cost model keeps in-order prices; the saving of launching ahead apart
