@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx_dflash
 
-from mlx_dflash.bench.runner import Record, chat_ids, filler_text, first_mismatch
+from mlx_dflash.bench.runner import Record, chat_ids, first_mismatch, padded_text
 from mlx_dflash.bench.datasets import load_prompts
 from mlx_dflash.bench.stats import decode_tps, paired_ratio
 from mlx_dflash.calibration import calibrate
@@ -39,23 +40,18 @@ from bench_cycle import machine  # noqa: E402
 TARGET = "target"
 
 
-def padded_prompt(tokenizer, prompt: str, pool: list[str], context: int) -> list[int]:
-    """The prompt after about `context` tokens of other prompts' text, through the chat template."""
-    base = len(chat_ids(tokenizer, [{"role": "user", "content": "\n\n" + prompt}], None))
-    filler = filler_text(tokenizer, [p for p in pool if p != prompt] or pool, context - base)
-    return chat_ids(tokenizer, [{"role": "user", "content": f"{filler}\n\n{prompt}" if filler else prompt}], None)
-
-
-def decode(session: DecodingSession, ids: list[int], policy, max_tokens: int, tokenizer) -> tuple[list[int], float]:
-    """Decode from the prefilled prompt, then roll the session back to it: (tokens, decode seconds)."""
-    tokens, first = [], None
+def decode(session: DecodingSession, ids: list[int], policy, max_tokens: int,
+           tokenizer) -> tuple[list[int], float, Counter]:
+    """Decode from the prefilled prompt, then roll the session back to it: (tokens, decode seconds,
+    cycles per block size)."""
+    tokens, first, event = [], None, None
     for event in stream_session(session, ids[-1:], make_sampler(0.0), max_tokens=max_tokens,
                                 stop=set(tokenizer.eos_token_ids), detokenizer=tokenizer.detokenizer, policy=policy):
         first = first or time.perf_counter()
         tokens += event.tokens
     seconds = time.perf_counter() - first
     session.truncate(len(ids) - 1)
-    return tokens, seconds
+    return tokens, seconds, Counter(event.stats.block_sizes)
 
 
 def main() -> None:
@@ -83,11 +79,13 @@ def main() -> None:
     prompts = load_prompts(args.dataset, args.data_dir, limit=args.limit)
     pool = [p.turns[0] for p in prompts]
     records: dict[str, list[Record]] = {name: [] for name in names}
+    sizes_used: dict[str, Counter] = {name: Counter() for name in names}
     failures = 0
     print(f"machine: {machine()}")
     print(f"{choice.target} + {choice.draft}, context {args.context}, {args.max_tokens} tokens, {args.rounds} rounds")
     for prompt in prompts:
-        ids = padded_prompt(tokenizer, prompt.turns[0], pool, args.context)
+        text = padded_text(tokenizer, prompt, args.context, pool, None)
+        ids = chat_ids(tokenizer, [{"role": "user", "content": text}], None)
         sessions = {TARGET: DecodingSession(target, None),
                     "drafter": DecodingSession(target, make_proposer(target, drafter, drafter.block_size))}
         for session in sessions.values():  # the shared prefill: everything but the last prompt token
@@ -97,28 +95,38 @@ def main() -> None:
         decode(sessions[TARGET], ids, None, 8, tokenizer)
         for rounds in range(args.rounds):
             shift = rounds % len(names)
-            outputs = {}
+            outputs, mixed = {}, {}
             for name in names[shift:] + names[:shift]:
                 size = None if name == TARGET else sizes[names.index(name) - 1]
                 session = sessions[TARGET if size is None else "drafter"]
-                outputs[name], seconds = decode(session, ids, policies.get(size), args.max_tokens, tokenizer)
+                outputs[name], seconds, cycles = decode(session, ids, policies.get(size), args.max_tokens, tokenizer)
+                sizes_used[name] += cycles
+                mixed[name] = " ".join(f"{k}:{v}" for k, v in sorted(cycles.items())) if len(cycles) > 1 else ""
                 records[name].append(Record(
                     args.dataset, prompt.id, 0, args.context, rounds, name, size, len(ids), len(outputs[name]),
                     0.0, seconds, (len(outputs[name]) - 1) / seconds, 0.0, None, [], 0.0, 0.0, None, None))
-            speeds = "  ".join(f"{n} {records[n][-1].decode_tps:.2f}" for n in names)
+            speeds = "  ".join(f"{n} {records[n][-1].decode_tps:.2f}" + (f" ({mixed[n]})" if mixed[n] else "")
+                               for n in names)
             print(f"{prompt.id} round {rounds + 1}/{args.rounds}: {speeds} tok/s", flush=True)
             for name in names[1:]:
                 if (at := first_mismatch(outputs[TARGET], outputs[name])) is not None:
                     failures += 1
                     print(f"{prompt.id} round {rounds + 1}: {name} differs from the target alone at token {at}")
     base = records[TARGET]
-    print(f"{'mode':<16}{'tok/s':>8}{'/ target':>10}  90% interval")
+    print(f"{'mode':<16}{'tok/s':>8}{'/ target':>10}  90% interval  cycles per block size")
     for name in names:
         line = f"{name:<16}{decode_tps(records[name]):>8.2f}"
         if name != TARGET:
             r = paired_ratio(records[name], base)
             line += f"{r['ratio']:>10.3f}  {r['low']:.3f}-{r['high']:.3f}"
+            line += "  " + " ".join(f"{k}:{v}" for k, v in sizes_used[name].most_common())
         print(line)
+    if AUTO in sizes:
+        auto = records[names[sizes.index(AUTO) + 1]]
+        for name in names[1:]:
+            if name != auto[0].mode:
+                r = paired_ratio(auto, records[name])
+                print(f"{auto[0].mode} / {name}: {r['ratio']:.3f} ({r['low']:.3f}-{r['high']:.3f})")
     if failures:
         sys.exit(f"{failures} runs differ from the target alone")
 

@@ -113,7 +113,8 @@ def _record(prompt: Prompt, turn: int, context: int | None, repeat: int, engine:
     )
 
 
-def _pad(tokenizer: Any, prompt: Prompt, context: int, pool: Sequence[str], think: bool | None) -> str:
+def padded_text(tokenizer: Any, prompt: Prompt, context: int, pool: Sequence[str], think: bool | None) -> str:
+    """The prompt after about `context` tokens of the other prompts' text (`--context`)."""
     base = len(chat_ids(tokenizer, [{"role": "user", "content": "\n\n" + prompt.turns[0]}], think))
     filler = filler_text(tokenizer, [p for p in pool if p != prompt.turns[0]] or pool, context - base)
     return filler + "\n\n" + prompt.turns[0] if filler else prompt.turns[0]
@@ -150,7 +151,7 @@ def run_bench(
                 messages: list[dict[str, str]] = []
                 for turn, text in enumerate(prompt.turns):
                     if turn == 0 and context:
-                        text = _pad(tokenizer, prompt, context, pool, config.think)
+                        text = padded_text(tokenizer, prompt, context, pool, config.think)
                     messages.append({"role": "user", "content": text})
                     ids = chat_ids(tokenizer, messages, config.think)
                     runs = _run_rotated(engines, rounds, ids, config)
