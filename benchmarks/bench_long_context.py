@@ -103,8 +103,11 @@ def main() -> None:
                 sizes_used[name] += cycles
                 mixed[name] = " ".join(f"{k}:{v}" for k, v in sorted(cycles.items())) if len(cycles) > 1 else ""
                 records[name].append(Record(
-                    args.dataset, prompt.id, 0, args.context, rounds, name, size, len(ids), len(outputs[name]),
-                    0.0, seconds, (len(outputs[name]) - 1) / seconds, 0.0, None, [], 0.0, 0.0, None, None))
+                    dataset=args.dataset, prompt_id=prompt.id, turn=0, context=args.context, repeat=rounds,
+                    mode=name, block_size=size, prompt_tokens=len(ids), generated_tokens=len(outputs[name]),
+                    ttft_s=0.0, decode_s=seconds, decode_tps=(len(outputs[name]) - 1) / seconds,
+                    peak_memory_gb=0.0, finish_reason=None, acceptance_lengths=[], draft_s=0.0, verify_s=0.0,
+                    match=None, first_mismatch=None, block_size_histogram=dict(cycles)))
             speeds = "  ".join(f"{n} {records[n][-1].decode_tps:.2f}" + (f" ({mixed[n]})" if mixed[n] else "")
                                for n in names)
             print(f"{prompt.id} round {rounds + 1}/{args.rounds}: {speeds} tok/s", flush=True)
