@@ -399,10 +399,10 @@ class AutoBlockSize:
         plain = 1.0 / self._seconds(1, self._position, self.optimism, measured=1)
         if any(score >= plain for L, score in scores.items() if L != 1):
             return False
-        # Until a probe is due: one due but waiting for credit may become affordable after
-        # this cycle (it earns a share of about one plain step).
+        # Until a probe is due: one due but waiting for credit may become affordable with what
+        # this cycle earns (a share of its price; if it runs longer, the probe waits one cycle).
         if self._since_probe >= self._interval:
-            earned = 2.0 * self.probe_budget * self.costs.predict(1, self._position)
+            earned = self.probe_budget * self._cycle_seconds(1, self._position, self._ahead)
             if self._credit + earned >= (-2.0 if self._close else 1.0) * self._probe_extra:
                 return False
         self._promised = True

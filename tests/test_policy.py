@@ -3,6 +3,8 @@ whatever it chooses the output is the target's own (greedy and sampled)."""
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 from conftest import FAMILIES
@@ -429,24 +431,41 @@ def test_a_few_lucky_full_accepts_do_not_make_deep_positions_look_certain():
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3, 0.95])
-def test_promised_plain_steps_change_no_choice(p):
-    # The decode loop launches a promised plain step early: the promise binds the next
-    # choice, and it must be one the policy would have made anyway, probes included.
+def test_a_promise_binds_only_a_plain_step_the_policy_would_choose_or_delays_a_probe_by_one_cycle(p):
+    # The decode loop launches a promised plain step early: the promise binds the next choice.
+    # A twin of the policy that made no promise must choose a plain step there too, or a probe
+    # that became affordable a little sooner than priced: then the policy probes one cycle later.
     for seed in range(2):
-        runs = []
-        for promises in (None, []):
-            rng = np.random.default_rng(seed)
-            policy = AutoBlockSize(16, base_costs=calibrated(cpu_cost))
-            sizes = []
-            for _ in range(4):
+        rng = np.random.default_rng(seed)
+        policy = AutoBlockSize(16, base_costs=calibrated(cpu_cost))
+        position, promised, delayed, sizes, promises, probes = 0, False, 0, [], [], 0
+        for cycle in range(480):
+            if cycle % 120 == 0:
                 policy.begin()
-                sizes += simulate(policy, 120, cpu_cost, lambda i: p, rng, promises=promises)[0]
-            runs.append((sizes, promises))
-        (unpromised, _), (promised, promises) = runs
-        assert promised == unpromised
-        plain = promised.count(1)
+            size = policy.choose(10**9, position)
+            probes += policy._probing
+            if delayed:
+                delayed -= 1
+                assert delayed or (size > 1 and policy._probing), "a probe delayed by more than a cycle"
+            twin = copy.deepcopy(policy)
+            promise = size == 1 and policy.promise_plain()
+            accepted = 0
+            while accepted < size - 1 and rng.random() < p:
+                accepted += 1
+            seconds = cpu_cost(size, position) * (0.9 if promised else 1.0)
+            policy.record(size, accepted, seconds)
+            position += accepted + 1
+            if promise:
+                twin.record(size, accepted, seconds)
+                if twin.choose(10**9, position) != 1:
+                    assert twin._probing, "a promise bound a choice the policy would not make"
+                    delayed = 2
+            sizes.append(size)
+            promises.append(promise)
+            promised = promise
+        assert probes > 0
         if p < 0.5:  # plain steps are best: nearly all of them come pipelined
-            assert sum(promises) >= 0.9 * plain > 0
+            assert sum(promises) >= 0.9 * sizes.count(1) > 0
 
 
 def test_plain_steps_are_priced_as_launched_ahead():
