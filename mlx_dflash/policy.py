@@ -438,6 +438,8 @@ class AutoBlockSize:
         first = size not in self._seen
         # A size's first cycle may include setup (allocation), which only adds time: so it is
         # skipped, unless it beat the size's price (then the price was too high: keep that news).
+        # A probe skipped so is not repeated at once: its acceptance counted, and a wide block
+        # costs as much again (11 plain steps for a 12-token verify of a 4-bit target on a CPU).
         price = self._cycle_seconds(size, self._position, self._ahead)
         measured = size in self.sizes and (not first or seconds < price)
         if measured:
@@ -448,9 +450,7 @@ class AutoBlockSize:
                 in_order = seconds / self.pipelined
             self.costs.observe(size, self._position, in_order)
         self._seen.add(size)
-        if self._probing and first and not measured:  # a probe that measured nothing: probe again next cycle
-            self._since_probe, self._interval = self._interval, max(self._interval // 2, self.probe_every)
-        elif self._probing:
+        if self._probing:
             scores = self.scores(self._position)
             # A draft accepted where the best is a plain step: the text may suit the drafter now.
             self._close = scores[self._best] < 1.1 * scores.get(size, 0.0) or (accepted > 0 and self._best == 1)

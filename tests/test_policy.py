@@ -294,6 +294,36 @@ def test_rarely_reached_positions_do_not_pull_toward_long_blocks():
         assert rate(outcomes[20:]) >= 0.93 * best_rate(cost, p)
 
 
+def test_a_probe_whose_first_cycle_paid_for_setup_is_not_repeated_at_once():
+    # A size's first cycle may include setup and is not taken as its price; the probe still
+    # counted its acceptance. Probing the same size again at once would cost as much again
+    # (on a 4-bit target on a CPU a 12-token verify costs ~11 plain steps), for a price alone.
+    def per_position(L, n):  # every verified position costs a plain step (a 4-bit target on a CPU)
+        return float(L)
+
+    first_probes = 0
+    for seed in range(4):
+        seen, cycles = set(), []
+        policy = AutoBlockSize(16, base_costs=calibrated(per_position))
+        rng = np.random.default_rng(seed)
+        for _ in range(3):
+            policy.begin()
+            for _ in range(200):
+                size = policy.choose(10**9, 0)
+                accepted = 0
+                while accepted < size - 1 and rng.random() < 0.95:
+                    accepted += 1
+                setup = 1.0 if size in seen else 1.5  # the first cycle of each size pays for setup
+                policy.record(size, accepted, per_position(size, 0) * setup)
+                cycles.append((size, policy._probing, setup > 1.0))
+                seen.add(size)
+        for i, (size, probing, first) in enumerate(cycles[:-1]):
+            if probing and first:
+                first_probes += 1
+                assert cycles[i + 1][:2] != (size, True), f"seed {seed}: {cycles[i:i + 2]}"
+    assert first_probes >= 8
+
+
 def test_a_calibration_that_misprices_sizes_is_corrected():
     # Made while another job ran: sizes 3-6 priced 25% too dear, 2 as cheap as a plain step.
     # The sizes it never tries keep their wrong price unless a probe measures them.
