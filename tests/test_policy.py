@@ -489,7 +489,7 @@ def test_a_promise_binds_only_a_plain_step_the_policy_would_choose_or_delays_a_p
                 twin.record(size, accepted, seconds)
                 if twin.choose(10**9, position) != 1:
                     assert twin._probing, "a promise bound a choice the policy would not make"
-                    delayed = 2
+                    delayed = delayed or 2  # the probe must come the cycle after the next
             sizes.append(size)
             promises.append(promise)
             promised = promise
