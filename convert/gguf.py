@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import numpy as np
 
 from mlx_dflash.errors import DFlashError
+
+if TYPE_CHECKING:  # MLX is imported where arrays are made: the PyTorch trainer reads GGUF files without it
+    import mlx.core as mx
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _LAYER_NAMES = {
@@ -37,6 +39,8 @@ def _scalar(meta: dict[str, Any], key: str, default: Any = None) -> Any:
 
 
 def read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    import mlx.core as mx
+
     try:
         return mx.load(str(path), return_metadata=True)
     except Exception:  # K-quants and other types MLX cannot read: the gguf package dequantizes them
@@ -44,6 +48,14 @@ def read_tensors(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
 
 
 def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, Any]]:
+    import mlx.core as mx
+
+    tensors, meta = read_dequantized(path)
+    return {name: mx.array(value) for name, value in tensors.items()}, meta
+
+
+def read_dequantized(path: Path) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Every tensor dequantized to float32 numpy arrays (by the `gguf` package), and the metadata."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -60,17 +72,17 @@ def _read_with_gguf_package(path: Path) -> tuple[dict[str, mx.array], dict[str, 
             raise DFlashError(f"{path}: cannot read tensor {t.name} ({str(e).splitlines()[0]})") from None
         # GGUF lists dimensions innermost first.
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        tensors[t.name] = mx.array(np.asarray(values, dtype=np.float32).reshape(shape))
+        tensors[t.name] = np.asarray(values, dtype=np.float32).reshape(shape)
     return tensors, meta
 
 
-def _unpermute(w: mx.array, n_heads: int) -> mx.array:
-    """Undo llama.cpp's q/k row order (rows of weight, scales and biases alike)."""
+def _unpermute(w: Any, n_heads: int) -> Any:
+    """Undo llama.cpp's q/k row order (rows of weight, scales and biases alike; MLX or numpy arrays)."""
     rows = w.shape[0]
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def config_from_metadata(meta: dict[str, Any], tensors: dict[str, mx.array], where: str) -> dict[str, Any]:
+def config_from_metadata(meta: dict[str, Any], tensors: dict[str, Any], where: str) -> dict[str, Any]:
     arch = str(_scalar(meta, "general.architecture"))
     if arch not in ARCHITECTURES:
         raise DFlashError(f"{where}: unsupported GGUF architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
@@ -99,7 +111,7 @@ def config_from_metadata(meta: dict[str, Any], tensors: dict[str, mx.array], whe
     return config
 
 
-def hf_weights(tensors: dict[str, mx.array], config: dict[str, Any]) -> dict[str, mx.array]:
+def hf_weights(tensors: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
     """GGUF tensor names -> Hugging Face names; llama q/k rows back in Hugging Face order."""
     out = {}
     for name, value in tensors.items():

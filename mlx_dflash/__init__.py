@@ -1,17 +1,35 @@
-"""mlx-dflash: DFlash block-diffusion speculative decoding for MLX."""
+"""mlx-dflash: DFlash block-diffusion speculative decoding for MLX.
+
+The public names are imported on first use, so that the framework-free parts of
+the package (training data, anchors, the PyTorch trainer) import on machines
+that have PyTorch but no MLX.
+"""
+
+from importlib import import_module
+from typing import TYPE_CHECKING
 
 from ._platform import setup as _setup_platform
 
 _setup_platform()  # must precede the first `import mlx.core` (Linux OpenBLAS)
 
-from .drafter import DFlashDraftModel, ModelArgs  # noqa: E402
-from .drafter2 import DFlash2DraftModel  # noqa: E402
-from .errors import DFlashError, IncompatibleDrafterError  # noqa: E402
-from .generate import GenerationEvent, GenerationStats, generate, stream_generate  # noqa: E402
-from .loading import check_compatible, load, load_drafter  # noqa: E402
-from .target import TargetModel, supported_model_types  # noqa: E402
-
 __version__ = "0.1.0"
+
+_EXPORTS = {
+    "DFlash2DraftModel": "drafter2",
+    "DFlashDraftModel": "drafter",
+    "ModelArgs": "drafter",
+    "DFlashError": "errors",
+    "IncompatibleDrafterError": "errors",
+    "GenerationEvent": "generate",
+    "GenerationStats": "generate",
+    "generate": "generate",
+    "stream_generate": "generate",
+    "check_compatible": "loading",
+    "load": "loading",
+    "load_drafter": "loading",
+    "TargetModel": "target",
+    "supported_model_types": "target",
+}
 
 __all__ = [
     "DFlash2DraftModel",
@@ -29,3 +47,20 @@ __all__ = [
     "stream_generate",
     "supported_model_types",
 ]
+
+if TYPE_CHECKING:
+    from .drafter import DFlashDraftModel, ModelArgs
+    from .drafter2 import DFlash2DraftModel
+    from .errors import DFlashError, IncompatibleDrafterError
+    from .generate import GenerationEvent, GenerationStats, generate, stream_generate
+    from .loading import check_compatible, load, load_drafter
+    from .target import TargetModel, supported_model_types
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mlx_dflash' has no attribute '{name}'")
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

@@ -160,8 +160,9 @@ class ExampleStream:
     resume the stream exactly.
     """
 
-    def __init__(self, tokenizer: Any, conversations: list[Conversation], *, max_tokens: int,
+    def __init__(self, tokenizer: Any, conversations: list[Conversation] | list[Example], *, max_tokens: int,
                  seed: int, min_targets: int = 2):
+        """`tokenizer` None: `conversations` are already rendered Examples (cut to `max_tokens`)."""
         if not conversations:
             raise DFlashError("no training conversations left after the held-out split")
         self.tokenizer = tokenizer
@@ -192,7 +193,10 @@ class ExampleStream:
                 self._order = self._permutation(self.epoch)
             conversation = self.conversations[self._order[self.index]]
             self.index += 1
-            example = render(self.tokenizer, conversation, self.max_tokens)
+            if self.tokenizer is None:
+                example = Example(conversation.ids[: self.max_tokens], conversation.mask[: self.max_tokens])
+            else:
+                example = render(self.tokenizer, conversation, self.max_tokens)
             # The first assistant token comes from the target's prefill, so a usable
             # example needs at least `min_targets` assistant tokens.
             if example.num_targets >= self.min_targets:

@@ -17,41 +17,14 @@ from mlx.utils import tree_flatten
 
 from ..drafter import DFlashDraftModel
 from ..errors import DFlashError
+from . import recipe
 
 DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 def drafter_config(args: Any, dtype: mx.Dtype = mx.float32) -> dict[str, Any]:
     """The z-lab config.json of a drafter with these ModelArgs."""
-    n = args.num_hidden_layers
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "block_size": args.block_size,
-        "dflash_config": {
-            "mask_token_id": args.mask_token_id,
-            "target_layer_ids": list(args.target_layer_ids),
-            "block_size": args.block_size,
-        },
-        "num_target_layers": args.num_target_layers,
-        "num_hidden_layers": n,
-        "hidden_size": args.hidden_size,
-        "intermediate_size": args.intermediate_size,
-        "num_attention_heads": args.num_attention_heads,
-        "num_key_value_heads": args.num_key_value_heads,
-        "head_dim": args.head_dim,
-        "layer_types": ["full_attention"] * n,
-        "sliding_window": None,
-        "use_sliding_window": False,
-        "rope_theta": args.rope_theta,
-        "rope_scaling": args.rope_scaling,
-        "rms_norm_eps": args.rms_norm_eps,
-        "max_position_embeddings": args.max_position_embeddings,
-        "attention_bias": args.attention_bias,
-        "tie_word_embeddings": True,
-        "vocab_size": args.vocab_size,
-        "dtype": DTYPE_NAMES.get(dtype, "float32"),
-    }
+    return recipe.drafter_config(args, DTYPE_NAMES.get(dtype, "float32"))
 
 
 def export_drafter(drafter: DFlashDraftModel, out_dir: str | Path, *, dtype: mx.Dtype = mx.float16,

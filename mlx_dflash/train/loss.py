@@ -6,23 +6,17 @@ position ends acceptance, so early positions matter most.
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import mlx.nn as nn
 
-# gamma by block size, as published; other sizes use block_size / 2.
-DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+from .recipe import DEFAULT_GAMMA, default_gamma, position_weight_values
 
-
-def default_gamma(block_size: int) -> float:
-    return DEFAULT_GAMMA.get(block_size, block_size / 2)
+__all__ = ["DEFAULT_GAMMA", "block_labels", "decayed_cross_entropy", "default_gamma", "position_weights"]
 
 
 def position_weights(block_size: int, gamma: float | None = None) -> mx.array:
     """(block_size - 1,) weights for block positions 1..block_size-1."""
-    g = default_gamma(block_size) if gamma is None else gamma
-    return mx.array([math.exp(-(k - 1) / g) for k in range(1, block_size)], dtype=mx.float32)
+    return mx.array(position_weight_values(block_size, gamma), dtype=mx.float32)
 
 
 def block_labels(labels_seq: mx.array, loss_mask: mx.array, anchors: mx.array, anchor_valid: mx.array,

@@ -17,9 +17,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..drafter import DFlashDraftModel
-
-# A channel that is (nearly) always zero keeps a unit scale rather than an enormous gain.
-MIN_SCALE = 1e-3
+from .recipe import MIN_SCALE
 
 
 def feature_scale(features: Iterable[mx.array]) -> mx.array:

@@ -40,11 +40,11 @@ from .evaluate import TauReport, measure_tau
 from .export import drafter_config, export_drafter
 from .loss import block_labels, decayed_cross_entropy, position_weights
 from .model import block_token_ids, draft_blocks, init_from_target
+from .recipe import DEFAULT_LR
 from .regenerate import REGENERATED, regenerated_conversations
 from .scaling import feature_scale, fold_feature_scale
 
 LABEL_SOURCES = ("target", "data")
-DEFAULT_LR = 6e-4  # peak learning rate
 # Training sequences whose target features set the per-channel feature scale.
 SCALE_EXAMPLES = 8
 # Fields a resumed run may change; everything else comes from the checkpoint.

@@ -1,0 +1,379 @@
+"""A drafter training job for a CUDA machine with PyTorch and no MLX: prepared here, run there.
+
+    python -m mlx_dflash.train.torch_job prepare --target T --data D.jsonl.gz --out JOB
+        (MLX side) tokenizes each training conversation's prompt with the target's chat
+        template and writes JOB/job.json (the drafter's z-lab config, stop and pad ids) and
+        JOB/prompts.npz; no tokenizer, template or MLX is needed where the job runs.
+    python -m mlx_dflash.train.torch_job run --job JOB --target T --out OUT --minutes 8
+        (PyTorch side) regenerates the replies with the target (greedy, batched), trains on
+        them for the rest of the time budget, and writes OUT/drafter (z-lab layout, files of
+        at most 16 MiB, rewritten whole every few minutes), OUT/replies.npz and OUT/log.txt.
+    python -m mlx_dflash.train.torch_job smoke --out OUT
+        the run on a tiny random target, to check a machine in seconds.
+
+The run prints one line per event; the same lines go to OUT/log.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import DFlashError
+from .data import Example
+
+JOB_FILE = "job.json"
+PROMPTS_FILE = "prompts.npz"
+REPLIES_FILE = "replies.npz"
+
+Log = Callable[[str], None]
+
+
+# ---------------------------------------------------------------- prepare (MLX side)
+
+def _pack(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
+    offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(s) for s in sequences])
+    flat = np.fromiter((t for s in sequences for t in s), dtype=np.int32, count=int(offsets[-1]))
+    return flat, offsets
+
+
+def _unpack(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
+    return [flat[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 4, block_size: int = 16,
+            target_layers: list[int] | None = None, mask_token_id: int | None = None, heldout: int = 64,
+            seed: int = 0, max_prompt_tokens: int = 512) -> Path:
+    """Write job.json and prompts.npz for `run`: everything that needs the tokenizer or MLX."""
+    from ..loading import load_target
+    from ..target import TargetModel
+    from .data import load_conversations, prompt_ids, split_heldout
+    from .recipe import drafter_config
+    from .trainer import TrainConfig, build_drafter_args
+
+    target_path = target
+    model, tokenizer = load_target(target)
+    args = build_drafter_args(TrainConfig(target=str(target_path), data=list(data), out=str(out), layers=layers,
+                                          block_size=block_size, target_layers=target_layers,
+                                          mask_token_id=mask_token_id), TargetModel(model), tokenizer)
+    conversations = load_conversations(data)
+    train, held = split_heldout(conversations, heldout, seed)
+
+    def prompts(convs) -> list[list[int]]:
+        ids = (prompt_ids(tokenizer, c) for c in convs)
+        return [p for p in ids if len(p) <= max_prompt_tokens]
+
+    train_prompts, eval_prompts = prompts(train), prompts(held)
+    if not train_prompts:
+        raise DFlashError(f"no training prompt has at most {max_prompt_tokens} tokens")
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    train_flat, train_offsets = _pack(train_prompts)
+    eval_flat, eval_offsets = _pack(eval_prompts)
+    np.savez_compressed(out / PROMPTS_FILE, train_tokens=train_flat, train_offsets=train_offsets,
+                        eval_tokens=eval_flat, eval_offsets=eval_offsets)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    job = {"drafter": drafter_config(args), "stop": sorted(int(i) for i in tokenizer.eos_token_ids),
+           "pad_id": int(pad_id), "seed": seed, "data": [Path(d).name for d in data],
+           "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
+           "max_prompt_tokens": max_prompt_tokens}
+    if Path(target_path).is_file():
+        job["target_sha256"] = file_sha256(Path(target_path))
+    (out / JOB_FILE).write_text(json.dumps(job, indent=2) + "\n")
+    return out
+
+
+def split_file(path: str | Path, parts: Sequence[str | Path]) -> list[Path]:
+    """Cut a file into len(parts) pieces of near-equal size (joined again with `cat`)."""
+    data = Path(path).read_bytes()
+    size = -(-len(data) // len(parts))
+    written = []
+    for i, part in enumerate(parts):
+        p = Path(part)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data[i * size:(i + 1) * size])
+        written.append(p)
+    return written
+
+
+# ---------------------------------------------------------------- run (PyTorch side)
+
+@dataclass
+class RunOptions:
+    minutes: float = 8.0  # the whole run, loading included
+    regen_minutes: float = 2.5  # at most, for the training replies
+    max_new_tokens: int = 256
+    eval_prompts: int = 64  # held-out prompts whose replies measure the drafter
+    regen_batch: int = 1024
+    seq_len: int = 1024
+    batch: int = 32
+    blocks_per_seq: int = 64
+    lr: float = 6e-4
+    labels: str = "data"  # regenerated replies are the target's greedy tokens already
+    autocast: bool = True
+    export_every_minutes: float = 2.0
+    eval_every_minutes: float = 1.5
+    export_margin_seconds: float = 25.0  # kept free at the end for the last evaluation and export
+    shard_bytes: int = 15 * 2**20  # the largest weight file written (16 MiB comes back, headers included)
+    device: str = "cuda"
+    seed: int = 0
+
+
+def _examples(prompts: Sequence[Sequence[int]], replies: Sequence[tuple[list[int], int | None]], seq_len: int
+              ) -> list[Example]:
+    """Prompt + reply (+ the stop token that ended it); the reply and its stop token are the loss span."""
+    out = []
+    for prompt, (reply, stop) in zip(prompts, replies, strict=True):
+        span = reply + ([stop] if stop is not None else [])
+        if len(span) < 2:
+            continue
+        ids = list(prompt) + span
+        out.append(Example(ids[:seq_len], ([False] * len(prompt) + [True] * len(span))[:seq_len]))
+    return out
+
+
+def regenerate_replies(target, prompts: Sequence[Sequence[int]], *, stop: Sequence[int], pad_id: int,
+                       max_new_tokens: int, batch: int, deadline: float, seed: int, log: Log
+                       ) -> tuple[list[list[int]], list[tuple[list[int], int | None]]]:
+    """Greedy replies for as many prompts as the deadline allows: batches of similar length, in random order."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    chunks = [order[i:i + batch] for i in range(0, len(order), batch)]
+    np.random.default_rng(seed).shuffle(chunks)
+    done_prompts, done_replies = [], []
+    for n, chunk in enumerate(chunks, start=1):
+        if time.monotonic() > deadline:
+            log(f"regenerate: time budget reached after {n - 1} of {len(chunks)} batches")
+            break
+        t = time.monotonic()
+        chunk_prompts = [prompts[i] for i in chunk]
+        replies = target.greedy(chunk_prompts, max_new_tokens=max_new_tokens, stop=stop, pad_id=pad_id)
+        done_prompts.extend(chunk_prompts)
+        done_replies.extend(replies)
+        tokens = sum(len(r) for r, _ in replies)
+        log(f"regenerate: batch {n}/{len(chunks)}, {len(chunk)} prompts, {tokens} reply tokens, "
+            f"{time.monotonic() - t:.1f} s")
+    return done_prompts, done_replies
+
+
+def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
+            eval_prompts: Sequence[Sequence[int]], out: Path, opts: RunOptions, log: Log) -> dict[str, Any]:
+    """Regenerate, train until the budget is spent, export; returns the final evaluation."""
+    import torch
+
+    from .data import ExampleStream
+    from .torch_model import TorchDFlashDrafter, init_from_target
+    from .torch_trainer import TorchTrainConfig, TorchTrainer, planned_steps
+
+    start = time.monotonic()
+    end = start + opts.minutes * 60
+    stop, pad_id = job["stop"], job["pad_id"]
+    eval_prompts = list(eval_prompts)[: opts.eval_prompts]
+    eval_replies = target.greedy(eval_prompts, max_new_tokens=opts.max_new_tokens, stop=stop, pad_id=pad_id) \
+        if eval_prompts else []
+    eval_examples = _examples(eval_prompts, eval_replies, opts.seq_len)
+    prompts, replies = regenerate_replies(target, train_prompts, stop=stop, pad_id=pad_id,
+                                          max_new_tokens=opts.max_new_tokens, batch=opts.regen_batch,
+                                          deadline=start + opts.regen_minutes * 60, seed=opts.seed, log=log)
+    examples = _examples(prompts, replies, opts.seq_len)
+    if not examples:
+        raise DFlashError("no regenerated reply has two tokens or more")
+    p_flat, p_off = _pack(prompts)
+    r_flat, r_off = _pack([r for r, _ in replies])
+    np.savez_compressed(out / REPLIES_FILE, prompt_tokens=p_flat, prompt_offsets=p_off, reply_tokens=r_flat,
+                        reply_offsets=r_off, reply_stop=np.array([-1 if s is None else s for _, s in replies]))
+    log(json.dumps({"event": "data", "examples": len(examples), "eval_examples": len(eval_examples),
+                    "reply_tokens": int(r_off[-1]), "seconds": round(time.monotonic() - start, 1)}))
+
+    torch.manual_seed(opts.seed)
+    drafter = TorchDFlashDrafter(job["drafter"])
+    init_from_target(drafter, target.layers, target.inner.norm)
+    config = TorchTrainConfig(steps=10**6, batch=opts.batch, blocks_per_seq=opts.blocks_per_seq, lr=opts.lr,
+                              labels=opts.labels, autocast=opts.autocast)
+    trainer = TorchTrainer(target, drafter, config, pad_id=pad_id, seed=opts.seed)
+    stream = ExampleStream(None, examples, max_tokens=opts.seq_len, seed=opts.seed)
+    trainer.measure_feature_scale([stream.next() for _ in range(8)])
+    drafter_dir = out / "drafter"
+    train_start = time.monotonic()
+    last_export = last_eval = train_start
+    budget_end = end - opts.export_margin_seconds
+    seen = 0
+    result: dict[str, Any] = {}
+
+    def evaluate() -> dict[str, Any]:
+        r = trainer.evaluate(eval_examples, batch=4) if eval_examples else {"tau": float("nan"), "accuracy": []}
+        r = {"event": "eval", "step": trainer.step, "tau_block": round(r["tau"], 3),
+             "accuracy": [round(a, 3) for a in r["accuracy"]], "tokens_seen": seen}
+        log(json.dumps(r))
+        return r
+
+    while time.monotonic() < budget_end:
+        batch = trainer.make_batch([stream.next() for _ in range(opts.batch)])
+        r = trainer.train_step(batch)
+        seen += r.tokens
+        if trainer.step == 5 or trainer.step % 50 == 0:  # the pace so far sets the schedule's length
+            if trainer.device.type == "cuda":
+                torch.cuda.synchronize()
+            pace = (time.monotonic() - train_start) / trainer.step
+            config.steps = trainer.step + planned_steps(budget_end - time.monotonic(), pace)
+            if trainer.step == 5:
+                log(f"train: {pace:.3f} s per step, planning {config.steps} steps")
+        if trainer.step % 50 == 0 or trainer.step <= 2:
+            log(json.dumps({"event": "step", "step": trainer.step, "loss": round(r.loss, 4), "lr": r.lr,
+                            "accuracy": [round(a, 3) for a in r.accuracy[:4]], "tokens_seen": seen,
+                            "seconds": round(time.monotonic() - train_start, 1)}))
+        now = time.monotonic()
+        if now - last_eval > opts.eval_every_minutes * 60:
+            result = evaluate()
+            last_eval = time.monotonic()
+        if now - last_export > opts.export_every_minutes * 60:
+            trainer.export(drafter_dir, shard_bytes=opts.shard_bytes)
+            last_export = time.monotonic()
+        if trainer.step >= config.steps:
+            break
+    result = evaluate()
+    trainer.export(drafter_dir, shard_bytes=opts.shard_bytes)
+    result.update({"event": "done", "steps": trainer.step, "train_seconds": round(time.monotonic() - train_start, 1),
+                   "seconds": round(time.monotonic() - start, 1), "examples": len(examples)})
+    log(json.dumps(result))
+    return result
+
+
+def _logger(out: Path) -> Log:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "log.txt"
+    t0 = time.monotonic()
+
+    def log(line: str) -> None:
+        text = f"[{time.monotonic() - t0:7.1f}s] {line}"
+        print(text, flush=True)
+        with path.open("a") as f:
+            f.write(text + "\n")
+
+    return log
+
+
+def _read_prompts(job_dir: Path) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
+    try:
+        job = json.loads((job_dir / JOB_FILE).read_text())
+        p = np.load(job_dir / PROMPTS_FILE)
+    except (OSError, ValueError) as e:
+        raise DFlashError(f"{job_dir}: not a prepared job ({e})") from None
+    return job, _unpack(p["train_tokens"], p["train_offsets"]), _unpack(p["eval_tokens"], p["eval_offsets"])
+
+
+def run(job_dir: str | Path, target_path: str | Path, out: str | Path, opts: RunOptions) -> dict[str, Any]:
+    from .torch_target import load_torch_target
+
+    out = Path(out)
+    log = _logger(out)
+    job, train_prompts, eval_prompts = _read_prompts(Path(job_dir))
+    expected = job.get("target_sha256")
+    if expected and Path(target_path).is_file() and file_sha256(Path(target_path)) != expected:
+        raise DFlashError(f"{target_path}: not the target the job was prepared with (sha256 differs)")
+    target = load_torch_target(target_path, opts.device)
+    log(f"target: {target_path}, {target.num_layers} layers, on {opts.device}; "
+        f"{len(train_prompts)} training prompts, {len(eval_prompts)} held out")
+    return run_job(target, job, train_prompts, eval_prompts, out, opts, log)
+
+
+def smoke(out: str | Path, device: str) -> dict[str, Any]:
+    """The run, end to end, on a tiny random llama target: regenerate, train, export."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .torch_target import TorchTarget
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True)
+    target = TorchTarget(LlamaForCausalLM(config).to(device))
+    drafter = {"dflash_config": {"mask_token_id": 127, "target_layer_ids": [1, 2], "block_size": 8},
+               "block_size": 8, "num_target_layers": 4, "num_hidden_layers": 1, "hidden_size": 64,
+               "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+               "rope_theta": 10000.0, "rope_scaling": None, "rms_norm_eps": 1e-6, "vocab_size": 128}
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 120, size=int(rng.integers(4, 20))).tolist() for _ in range(40)]
+    job = {"drafter": drafter, "stop": [2], "pad_id": 0}
+    opts = RunOptions(minutes=0.25, regen_minutes=0.05, max_new_tokens=24, regen_batch=16, batch=4,
+                      blocks_per_seq=8, export_every_minutes=0.1, eval_every_minutes=0.1,
+                      export_margin_seconds=5, device=device, autocast=device == "cuda")
+    out = Path(out)
+    return run_job(target, job, prompts[:32], prompts[32:], out, opts, _logger(out))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mlx_dflash.train.torch_job", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare", help="tokenize prompts and write the job (needs MLX)")
+    p.add_argument("--target", required=True, help="target: GGUF file, MLX/HF directory or Hub name")
+    p.add_argument("--data", required=True, action="append", help="ShareGPT or messages JSON(L), gzip ok")
+    p.add_argument("--out", required=True, help="job directory to write")
+    p.add_argument("--layers", type=int, default=4, help="draft layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--target-layers", default=None, help="comma-separated target layer ids")
+    p.add_argument("--mask-token-id", type=int, default=None)
+    p.add_argument("--heldout", type=int, default=64, help="conversations kept out of training")
+    p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--split-target", nargs="+", default=None, metavar="PART",
+                   help="also cut the target file into these part files (for transfers with a size limit)")
+    r = sub.add_parser("run", help="regenerate replies and train (needs PyTorch)")
+    r.add_argument("--job", required=True, help="directory written by prepare")
+    r.add_argument("--target", required=True, help="the same target: GGUF file or Hugging Face directory")
+    r.add_argument("--out", required=True)
+    s = sub.add_parser("smoke", help="a tiny end-to-end run on a random target")
+    s.add_argument("--out", required=True)
+    s.add_argument("--device", default=None)
+    defaults = RunOptions()
+    for name, value in vars(defaults).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            r.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+        else:
+            r.add_argument(flag, type=type(value), default=value)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "prepare":
+            layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
+            out = prepare(args.target, args.data, args.out, layers=args.layers, block_size=args.block_size,
+                          target_layers=layers, mask_token_id=args.mask_token_id, heldout=args.heldout,
+                          max_prompt_tokens=args.max_prompt_tokens)
+            if args.split_target:
+                split_file(args.target, args.split_target)
+            print(f"prepared {out}")
+        elif args.command == "run":
+            opts = RunOptions(**{k: getattr(args, k) for k in vars(defaults)})
+            run(args.job, args.target, args.out, opts)
+        else:
+            import torch
+
+            device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+            smoke(args.out, device)
+            print("smoke ok")
+    except DFlashError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
