@@ -229,6 +229,18 @@ def test_job_end_to_end_converts_and_drafts_losslessly(training_setup, tmp_path)
     assert done["event"] == "done" and done["steps"] > 5
     assert done["tau_block"] > 1.5  # this target's next token follows its current one: easy to learn
 
+    # A second run keeps the first run's replies and regenerates none of their prompts.
+    again = tmp_path / "again"
+    assert torch_job.main(["run", "--job", str(job), "--target", str(target_dir), "--out", str(again),
+                           "--device", "cpu", "--no-autocast", "--minutes", "0.1", "--regen-minutes", "0",
+                           "--max-new-tokens", "24", "--batch", "4", "--blocks-per-seq", "8",
+                           "--export-margin-seconds", "2", "--replies", str(out / "replies.npz"),
+                           "--eval-prompts", "1"]) == 0
+    reused = (again / "log.txt").read_text()
+    kept = len(replies["reply_stop"])
+    assert f"regenerate: {kept} replies reused, {spec['train_prompts'] - kept} prompts to go" in reused
+    assert len(np.load(again / "replies.npz")["reply_stop"]) == kept  # no budget: nothing new
+
     _register()
     converted = tmp_path / "converted"
     result = CliRunner().invoke(app, ["convert", str(drafter_dir), str(converted)])
@@ -249,3 +261,18 @@ def test_job_end_to_end_converts_and_drafts_losslessly(training_setup, tmp_path)
 def test_examples_mark_the_reply_and_its_stop_token():
     examples = torch_job._examples([[5, 6, 7], [8]], [([9, 10], 2), ([11], None)], seq_len=100)
     assert examples == [Example([5, 6, 7, 9, 10, 2], [False] * 3 + [True] * 3)]  # one-token reply dropped
+
+
+def test_every_turn_prompts_start_with_the_first_turn_prompt(training_setup):
+    from mlx_dflash.loading import load_target
+    from mlx_dflash.train.data import prompt_ids, turn_prompts
+
+    _, target_dir, _ = training_setup
+    _, tokenizer = load_target(target_dir)
+    conversation = [{"role": "user", "content": "ab"}, {"role": "assistant", "content": "cd"},
+                    {"role": "user", "content": "ef"}, {"role": "assistant", "content": "gh"}]
+    first, second = turn_prompts(tokenizer, conversation)
+    assert first == prompt_ids(tokenizer, conversation)
+    # The second prompt holds the first exchange (the data's reply) as history, then the new user turn.
+    assert second[: len(first)] == first
+    assert "cd" in tokenizer.decode(second[len(first):]) and "ef" in tokenizer.decode(second[len(first):])

@@ -143,6 +143,13 @@ def prompt_ids(tokenizer: Any, conversation: Conversation) -> list[int]:
     return _encode(tokenizer, _template(tokenizer, conversation[:first], True))
 
 
+def turn_prompts(tokenizer: Any, conversation: Conversation) -> list[list[int]]:
+    """The conversation up to each of its assistant turns, ready for generation (later turns keep the
+    data's earlier replies as history)."""
+    return [_encode(tokenizer, _template(tokenizer, conversation[:i], True))
+            for i, m in enumerate(conversation) if m["role"] == "assistant" and i > 0]
+
+
 def split_heldout(conversations: list[Conversation], num_heldout: int, seed: int
                   ) -> tuple[list[Conversation], list[Conversation]]:
     """A deterministic (train, held-out) split."""

@@ -1,13 +1,15 @@
 """A drafter training job for a CUDA machine with PyTorch and no MLX: prepared here, run there.
 
     python -m mlx_dflash.train.torch_job prepare --target T --data D.jsonl.gz --out JOB
-        (MLX side) tokenizes each training conversation's prompt with the target's chat
-        template and writes JOB/job.json (the drafter's z-lab config, stop and pad ids) and
-        JOB/prompts.npz; no tokenizer, template or MLX is needed where the job runs.
+        (MLX side) tokenizes each training conversation's prompt (`--every-turn`: the prompt
+        at each assistant turn) with the target's chat template and writes JOB/job.json (the
+        drafter's z-lab config, stop and pad ids) and JOB/prompts.npz; no tokenizer, template
+        or MLX is needed where the job runs.
     python -m mlx_dflash.train.torch_job run --job JOB --target T --out OUT --minutes 8
         (PyTorch side) regenerates the replies with the target (greedy, batched), trains on
         them for the rest of the time budget, and writes OUT/drafter (z-lab layout, files of
-        at most 16 MiB, rewritten whole every few minutes), OUT/replies.npz and OUT/log.txt.
+        at most 15 MiB, rewritten whole every few minutes), OUT/replies.npz (reused by a later
+        run's `--replies`) and OUT/log.txt.
     python -m mlx_dflash.train.torch_job smoke --out OUT
         the run on a tiny random target, to check a machine in seconds.
 
@@ -30,6 +32,7 @@ import numpy as np
 
 from ..errors import DFlashError
 from .data import Example
+from .recipe import DEFAULT_LR
 
 JOB_FILE = "job.json"
 PROMPTS_FILE = "prompts.npz"
@@ -61,11 +64,11 @@ def file_sha256(path: Path) -> str:
 
 def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 4, block_size: int = 16,
             target_layers: list[int] | None = None, mask_token_id: int | None = None, heldout: int = 64,
-            seed: int = 0, max_prompt_tokens: int = 512) -> Path:
+            seed: int = 0, max_prompt_tokens: int = 512, every_turn: bool = False) -> Path:
     """Write job.json and prompts.npz for `run`: everything that needs the tokenizer or MLX."""
     from ..loading import load_target
     from ..target import TargetModel
-    from .data import load_conversations, prompt_ids, split_heldout
+    from .data import load_conversations, prompt_ids, split_heldout, turn_prompts
     from .recipe import drafter_config
     from .trainer import TrainConfig, build_drafter_args
 
@@ -77,11 +80,11 @@ def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 
     conversations = load_conversations(data)
     train, held = split_heldout(conversations, heldout, seed)
 
-    def prompts(convs) -> list[list[int]]:
-        ids = (prompt_ids(tokenizer, c) for c in convs)
+    def prompts(convs, each_turn: bool) -> list[list[int]]:
+        ids = (p for c in convs for p in (turn_prompts(tokenizer, c) if each_turn else [prompt_ids(tokenizer, c)]))
         return [p for p in ids if len(p) <= max_prompt_tokens]
 
-    train_prompts, eval_prompts = prompts(train), prompts(held)
+    train_prompts, eval_prompts = prompts(train, every_turn), prompts(held, False)
     if not train_prompts:
         raise DFlashError(f"no training prompt has at most {max_prompt_tokens} tokens")
     out = Path(out)
@@ -94,7 +97,7 @@ def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 
     job = {"drafter": drafter_config(args), "stop": sorted(int(i) for i in tokenizer.eos_token_ids),
            "pad_id": int(pad_id), "seed": seed, "data": [Path(d).name for d in data],
            "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
-           "max_prompt_tokens": max_prompt_tokens}
+           "max_prompt_tokens": max_prompt_tokens, "every_turn": every_turn}
     if Path(target_path).is_file():
         job["target_sha256"] = file_sha256(Path(target_path))
     (out / JOB_FILE).write_text(json.dumps(job, indent=2) + "\n")
@@ -118,23 +121,47 @@ def split_file(path: str | Path, parts: Sequence[str | Path]) -> list[Path]:
 
 @dataclass
 class RunOptions:
-    minutes: float = 8.0  # the whole run, loading included
-    regen_minutes: float = 2.5  # at most, for the training replies
+    minutes: float = 8.0
+    regen_minutes: float = 2.5
     max_new_tokens: int = 256
-    eval_prompts: int = 64  # held-out prompts whose replies measure the drafter
+    eval_prompts: int = 64
     regen_batch: int = 1024
     seq_len: int = 1024
     batch: int = 32
     blocks_per_seq: int = 64
-    lr: float = 6e-4
-    labels: str = "data"  # regenerated replies are the target's greedy tokens already
+    lr: float = DEFAULT_LR
+    labels: str = "data"
     autocast: bool = True
     export_every_minutes: float = 2.0
     eval_every_minutes: float = 1.5
-    export_margin_seconds: float = 25.0  # kept free at the end for the last evaluation and export
-    shard_bytes: int = 15 * 2**20  # the largest weight file written (16 MiB comes back, headers included)
+    replies: str = ""
+    export_margin_seconds: float = 25.0
+    shard_bytes: int = 15 * 2**20  # 16 MiB files come back from the GPU machine, headers included
     device: str = "cuda"
     seed: int = 0
+
+
+RUN_HELP = {
+    "minutes": "the whole run, loading and regeneration included",
+    "regen_minutes": "at most this long regenerating training replies (then train on those done)",
+    "max_new_tokens": "longest regenerated reply",
+    "eval_prompts": "held-out prompts whose replies measure the drafter",
+    "regen_batch": "prompts decoded together",
+    "seq_len": "longest training sequence (prompt + reply)",
+    "batch": "sequences per optimizer step",
+    "blocks_per_seq": "draft blocks (anchors) per sequence",
+    "lr": "peak learning rate (warm-up, then cosine to a tenth)",
+    "labels": "data: the sequence's tokens (regenerated replies are the target's greedy output); "
+              "target: the target's greedy predictions",
+    "autocast": "bfloat16 forwards over float32 weights",
+    "export_every_minutes": "rewrite OUT/drafter this often",
+    "eval_every_minutes": "measure the held-out replies this often",
+    "replies": "replies.npz of an earlier run: its replies are kept and their prompts not regenerated",
+    "export_margin_seconds": "kept free at the end for the last evaluation and export",
+    "shard_bytes": "largest weight file written",
+    "device": "cuda, cpu, ...",
+    "seed": "data order, anchors and initial weights",
+}
 
 
 def _examples(prompts: Sequence[Sequence[int]], replies: Sequence[tuple[list[int], int | None]], seq_len: int
@@ -173,6 +200,18 @@ def regenerate_replies(target, prompts: Sequence[Sequence[int]], *, stop: Sequen
     return done_prompts, done_replies
 
 
+def read_replies(path: Path) -> tuple[list[list[int]], list[tuple[list[int], int | None]]]:
+    """The (prompt, (reply, stop token or None)) pairs a run saved in replies.npz."""
+    try:
+        r = np.load(path)
+        prompts = _unpack(r["prompt_tokens"], r["prompt_offsets"])
+        replies = _unpack(r["reply_tokens"], r["reply_offsets"])
+        stops = [None if s < 0 else int(s) for s in r["reply_stop"].tolist()]
+    except (OSError, KeyError, ValueError) as e:
+        raise DFlashError(f"{path}: not a replies file written by a run ({e})") from None
+    return prompts, list(zip(replies, stops, strict=True))
+
+
 def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
             eval_prompts: Sequence[Sequence[int]], out: Path, opts: RunOptions, log: Log) -> dict[str, Any]:
     """Regenerate, train until the budget is spent, export; returns the final evaluation."""
@@ -189,9 +228,14 @@ def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
     eval_replies = target.greedy(eval_prompts, max_new_tokens=opts.max_new_tokens, stop=stop, pad_id=pad_id) \
         if eval_prompts else []
     eval_examples = _examples(eval_prompts, eval_replies, opts.seq_len)
-    prompts, replies = regenerate_replies(target, train_prompts, stop=stop, pad_id=pad_id,
-                                          max_new_tokens=opts.max_new_tokens, batch=opts.regen_batch,
-                                          deadline=start + opts.regen_minutes * 60, seed=opts.seed, log=log)
+    prompts, replies = read_replies(Path(opts.replies)) if opts.replies else ([], [])
+    known = {tuple(p) for p in prompts}
+    todo = [p for p in train_prompts if tuple(p) not in known]
+    log(f"regenerate: {len(prompts)} replies reused, {len(todo)} prompts to go")
+    new_prompts, new_replies = regenerate_replies(target, todo, stop=stop, pad_id=pad_id,
+                                                  max_new_tokens=opts.max_new_tokens, batch=opts.regen_batch,
+                                                  deadline=start + opts.regen_minutes * 60, seed=opts.seed, log=log)
+    prompts, replies = prompts + new_prompts, replies + new_replies
     examples = _examples(prompts, replies, opts.seq_len)
     if not examples:
         raise DFlashError("no regenerated reply has two tokens or more")
@@ -282,9 +326,11 @@ def _read_prompts(job_dir: Path) -> tuple[dict[str, Any], list[list[int]], list[
 def run(job_dir: str | Path, target_path: str | Path, out: str | Path, opts: RunOptions) -> dict[str, Any]:
     from .torch_target import load_torch_target
 
+    if opts.labels not in ("data", "target"):
+        raise DFlashError(f"--labels must be data or target, got {opts.labels}")
     out = Path(out)
-    log = _logger(out)
     job, train_prompts, eval_prompts = _read_prompts(Path(job_dir))
+    log = _logger(out)
     expected = job.get("target_sha256")
     if expected and Path(target_path).is_file() and file_sha256(Path(target_path)) != expected:
         raise DFlashError(f"{target_path}: not the target the job was prepared with (sha256 differs)")
@@ -334,6 +380,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--mask-token-id", type=int, default=None)
     p.add_argument("--heldout", type=int, default=64, help="conversations kept out of training")
     p.add_argument("--max-prompt-tokens", type=int, default=512)
+    p.add_argument("--every-turn", action="store_true",
+                   help="a prompt at every assistant turn, not only the first (more training replies)")
     p.add_argument("--split-target", nargs="+", default=None, metavar="PART",
                    help="also cut the target file into these part files (for transfers with a size limit)")
     r = sub.add_parser("run", help="regenerate replies and train (needs PyTorch)")
@@ -347,16 +395,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, value in vars(defaults).items():
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
-            r.add_argument(flag, action=argparse.BooleanOptionalAction, default=value)
+            r.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=RUN_HELP[name])
         else:
-            r.add_argument(flag, type=type(value), default=value)
+            r.add_argument(flag, type=type(value), default=value, help=f"{RUN_HELP[name]} (default: {value})")
     args = parser.parse_args(argv)
     try:
         if args.command == "prepare":
             layers = [int(x) for x in args.target_layers.split(",")] if args.target_layers else None
             out = prepare(args.target, args.data, args.out, layers=args.layers, block_size=args.block_size,
                           target_layers=layers, mask_token_id=args.mask_token_id, heldout=args.heldout,
-                          max_prompt_tokens=args.max_prompt_tokens)
+                          max_prompt_tokens=args.max_prompt_tokens, every_turn=args.every_turn)
             if args.split_target:
                 split_file(args.target, args.split_target)
             print(f"prepared {out}")
