@@ -5,9 +5,9 @@ the package (training data, anchors, the PyTorch trainer) import on machines
 that have PyTorch but no MLX.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
 
+from ._lazy import lazy_attributes
 from ._platform import setup as _setup_platform
 
 _setup_platform()  # must precede the first `import mlx.core` (Linux OpenBLAS)
@@ -57,10 +57,4 @@ if TYPE_CHECKING:
     from .target import TargetModel, supported_model_types
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mlx_dflash' has no attribute '{name}'")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())

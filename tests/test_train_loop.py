@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 
 import mlx.core as mx
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 from mlx.utils import tree_flatten
 from mlx_dflash.cli.main import _register, app
-from tiny import save_target, tiny_target
+from tiny import self_reply_chat
 from typer.testing import CliRunner
 
 from mlx_dflash.draft_cache import DraftContextCache
@@ -28,33 +27,9 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    """A tiny target and chat data whose replies are the target's own greedy continuations.
-
-    The target's attention outputs are zeroed, so its next token depends on the current
-    token alone: a behaviour a drafter can learn in a few dozen steps (a random 4-layer
-    target's continuations are close to chaotic at this size).
-    """
-    from mlx_dflash.generate import generate
-
+    """A tiny target and chat data whose replies are the target's own (learnable) greedy continuations."""
     root = tmp_path_factory.mktemp("train")
-    model = tiny_target("qwen3", seed=0)
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-    target_dir = save_target(model, "qwen3", root / "target")
-    model, tokenizer = load_target(target_dir)
-    rng = np.random.default_rng(0)
-    records = []
-    while len(records) < 48:
-        user = "".join(chr(c) for c in rng.integers(97, 123, size=6))
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                               add_generation_prompt=True)
-        reply = generate(model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False), max_tokens=40)
-        if "<" in reply or len(reply) < 10:  # keep replies free of special-token text
-            continue
-        records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]})
-    data = root / "chat.jsonl.gz"
-    with gzip.open(data, "wt") as f:
-        f.write("\n".join(json.dumps(r) for r in records))
+    target_dir, data = self_reply_chat(root, "qwen3", conversations=48, max_tokens=40)
     return root, str(target_dir), str(data)
 
 

@@ -8,14 +8,13 @@ tiny size, and what it writes converts with `dflash-mlx convert` and drafts.
 from __future__ import annotations
 
 import copy
-import gzip
 import json
 
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx.utils import tree_flatten
-from tiny import EOS_ID, greedy_reference, save_target, tiny_drafter, tiny_target
+from tiny import EOS_ID, greedy_reference, save_target, self_reply_chat, tiny_drafter, tiny_target
 
 from mlx_dflash.target import TargetModel
 from mlx_dflash.train import recipe
@@ -121,29 +120,9 @@ def test_schedule_equals_mlx_schedule(tmp_path):
 
 @pytest.fixture(scope="module")
 def training_setup(tmp_path_factory):
-    """A tiny llama target whose next token depends on the current one, and chat data of its own replies."""
-    from mlx_dflash.generate import generate
-    from mlx_dflash.loading import load_target
-
+    """A tiny llama target whose next token depends on the current one, and ShareGPT data of its own replies."""
     root = tmp_path_factory.mktemp("torchtrain")
-    model = tiny_target("llama", seed=0)
-    for layer in model.model.layers:
-        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-    target_dir = save_target(model, "llama", root / "target")
-    model, tokenizer = load_target(target_dir)
-    rng = np.random.default_rng(0)
-    records = []
-    while len(records) < 40:
-        user = "".join(chr(c) for c in rng.integers(97, 123, size=6))
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
-                                               add_generation_prompt=True)
-        reply = generate(model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False), max_tokens=30)
-        if "<" in reply or len(reply) < 10:
-            continue
-        records.append({"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": reply}]})
-    data = root / "chat.jsonl.gz"
-    with gzip.open(data, "wt") as f:
-        f.write("\n".join(json.dumps(r) for r in records))
+    target_dir, data = self_reply_chat(root, "llama", conversations=40, max_tokens=30, sharegpt=True)
     return root, target_dir, data
 
 

@@ -261,3 +261,40 @@ class FakeTokenizer:
 
     def decode(self, ids) -> str:
         return "".join(f"<{i}>" if i < 4 else chr(28 + i) for i in ids)
+
+
+def self_reply_chat(root: Path, model_type: str, *, conversations: int, max_tokens: int,
+                    sharegpt: bool = False) -> tuple[Path, Path]:
+    """A tiny target whose next token depends on the current one, and chat data of its own greedy replies.
+
+    The target's attention outputs are zeroed, so a drafter can learn its continuations in a
+    few dozen steps (a random 4-layer target's are close to chaotic at this size). Returns the
+    target directory and a gzipped JSONL file (ShareGPT `conversations` or `messages` records).
+    """
+    import gzip
+
+    from mlx_dflash.generate import generate
+    from mlx_dflash.loading import load_target
+
+    model = tiny_target(model_type, seed=0)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+    target_dir = save_target(model, model_type, root / "target")
+    model, tokenizer = load_target(target_dir)
+    rng = np.random.default_rng(0)
+    records = []
+    while len(records) < conversations:
+        user = "".join(chr(c) for c in rng.integers(97, 123, size=6))
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": user}], tokenize=False,
+                                               add_generation_prompt=True)
+        reply = generate(model, tokenizer, tokenizer.encode(prompt, add_special_tokens=False), max_tokens=max_tokens)
+        if "<" in reply or len(reply) < 10:  # keep replies free of special-token text
+            continue
+        if sharegpt:
+            records.append({"conversations": [{"from": "human", "value": user}, {"from": "gpt", "value": reply}]})
+        else:
+            records.append({"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]})
+    data = root / "chat.jsonl.gz"
+    with gzip.open(data, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in records))
+    return target_dir, data

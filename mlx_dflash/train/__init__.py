@@ -5,8 +5,9 @@ with PyTorch on CUDA machines. The MLX names are imported on first use, so the
 framework-free modules import without MLX.
 """
 
-from importlib import import_module
 from typing import TYPE_CHECKING
+
+from .._lazy import lazy_attributes
 
 _EXPORTS = {"export_drafter": "export", "TrainConfig": "trainer", "Trainer": "trainer", "TrainEvent": "trainer",
             "TrainResult": "trainer"}
@@ -18,10 +19,4 @@ if TYPE_CHECKING:
     from .trainer import TrainConfig, Trainer, TrainEvent, TrainResult
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mlx_dflash.train' has no attribute '{name}'")
-    value = getattr(import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_attributes(__name__, _EXPORTS, globals())
