@@ -5,7 +5,7 @@ try:
     from .progress import ProgressFn, no_progress
     from .quantize import BITS, GROUP_SIZES, RECIPES
 except ModuleNotFoundError as e:  # the GGUF reader (`gguf`) also serves the PyTorch trainer, where MLX is absent
-    if e.name != "mlx":
+    if (e.name or "").split(".")[0] != "mlx":
         raise
 
 __all__ = [
