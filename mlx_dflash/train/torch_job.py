@@ -19,7 +19,6 @@ The run prints one line per event; the same lines go to OUT/log.txt.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import sys
 import time
@@ -32,89 +31,10 @@ import numpy as np
 
 from ..errors import DFlashError
 from .data import Example
+from .job_files import REPLIES_FILE, file_sha256, prepare, read_prompts, read_replies, split_file, write_replies
 from .recipe import DEFAULT_LR
 
-JOB_FILE = "job.json"
-PROMPTS_FILE = "prompts.npz"
-REPLIES_FILE = "replies.npz"
-
 Log = Callable[[str], None]
-
-
-# ---------------------------------------------------------------- prepare (MLX side)
-
-def _pack(sequences: Sequence[Sequence[int]]) -> tuple[np.ndarray, np.ndarray]:
-    offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum([len(s) for s in sequences])
-    flat = np.fromiter((t for s in sequences for t in s), dtype=np.int32, count=int(offsets[-1]))
-    return flat, offsets
-
-
-def _unpack(flat: np.ndarray, offsets: np.ndarray) -> list[list[int]]:
-    return [flat[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 4, block_size: int = 16,
-            target_layers: list[int] | None = None, mask_token_id: int | None = None, heldout: int = 64,
-            seed: int = 0, max_prompt_tokens: int = 512, every_turn: bool = False) -> Path:
-    """Write job.json and prompts.npz for `run`: everything that needs the tokenizer or MLX."""
-    from ..loading import load_target
-    from ..target import TargetModel
-    from .data import load_conversations, prompt_ids, split_heldout, turn_prompts
-    from .recipe import drafter_config
-    from .trainer import TrainConfig, build_drafter_args
-
-    target_path = target
-    model, tokenizer = load_target(target)
-    args = build_drafter_args(TrainConfig(target=str(target_path), data=list(data), out=str(out), layers=layers,
-                                          block_size=block_size, target_layers=target_layers,
-                                          mask_token_id=mask_token_id), TargetModel(model), tokenizer)
-    conversations = load_conversations(data)
-    train, held = split_heldout(conversations, heldout, seed)
-
-    def prompts(convs, each_turn: bool) -> list[list[int]]:
-        ids = (p for c in convs for p in (turn_prompts(tokenizer, c) if each_turn else [prompt_ids(tokenizer, c)]))
-        return [p for p in ids if len(p) <= max_prompt_tokens]
-
-    train_prompts, eval_prompts = prompts(train, every_turn), prompts(held, False)
-    if not train_prompts:
-        raise DFlashError(f"no training prompt has at most {max_prompt_tokens} tokens")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    train_flat, train_offsets = _pack(train_prompts)
-    eval_flat, eval_offsets = _pack(eval_prompts)
-    np.savez_compressed(out / PROMPTS_FILE, train_tokens=train_flat, train_offsets=train_offsets,
-                        eval_tokens=eval_flat, eval_offsets=eval_offsets)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    job = {"drafter": drafter_config(args), "stop": sorted(int(i) for i in tokenizer.eos_token_ids),
-           "pad_id": int(pad_id), "seed": seed, "data": [Path(d).name for d in data],
-           "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
-           "max_prompt_tokens": max_prompt_tokens, "every_turn": every_turn}
-    if Path(target_path).is_file():
-        job["target_sha256"] = file_sha256(Path(target_path))
-    (out / JOB_FILE).write_text(json.dumps(job, indent=2) + "\n")
-    return out
-
-
-def split_file(path: str | Path, parts: Sequence[str | Path]) -> list[Path]:
-    """Cut a file into len(parts) pieces of near-equal size (joined again with `cat`)."""
-    data = Path(path).read_bytes()
-    size = -(-len(data) // len(parts))
-    written = []
-    for i, part in enumerate(parts):
-        p = Path(part)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_bytes(data[i * size:(i + 1) * size])
-        written.append(p)
-    return written
 
 
 # ---------------------------------------------------------------- run (PyTorch side)
@@ -200,18 +120,6 @@ def regenerate_replies(target, prompts: Sequence[Sequence[int]], *, stop: Sequen
     return done_prompts, done_replies
 
 
-def read_replies(path: Path) -> tuple[list[list[int]], list[tuple[list[int], int | None]]]:
-    """The (prompt, (reply, stop token or None)) pairs a run saved in replies.npz."""
-    try:
-        r = np.load(path)
-        prompts = _unpack(r["prompt_tokens"], r["prompt_offsets"])
-        replies = _unpack(r["reply_tokens"], r["reply_offsets"])
-        stops = [None if s < 0 else int(s) for s in r["reply_stop"].tolist()]
-    except (OSError, KeyError, ValueError) as e:
-        raise DFlashError(f"{path}: not a replies file written by a run ({e})") from None
-    return prompts, list(zip(replies, stops, strict=True))
-
-
 def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
             eval_prompts: Sequence[Sequence[int]], out: Path, opts: RunOptions, log: Log) -> dict[str, Any]:
     """Regenerate, train until the budget is spent, export; returns the final evaluation."""
@@ -239,12 +147,9 @@ def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
     examples = _examples(prompts, replies, opts.seq_len)
     if not examples:
         raise DFlashError("no regenerated reply has two tokens or more")
-    p_flat, p_off = _pack(prompts)
-    r_flat, r_off = _pack([r for r, _ in replies])
-    np.savez_compressed(out / REPLIES_FILE, prompt_tokens=p_flat, prompt_offsets=p_off, reply_tokens=r_flat,
-                        reply_offsets=r_off, reply_stop=np.array([-1 if s is None else s for _, s in replies]))
+    write_replies(out / REPLIES_FILE, prompts, replies)
     log(json.dumps({"event": "data", "examples": len(examples), "eval_examples": len(eval_examples),
-                    "reply_tokens": int(r_off[-1]), "seconds": round(time.monotonic() - start, 1)}))
+                    "reply_tokens": sum(len(r) for r, _ in replies), "seconds": round(time.monotonic() - start, 1)}))
 
     torch.manual_seed(opts.seed)
     drafter = TorchDFlashDrafter(job["drafter"])
@@ -314,22 +219,13 @@ def _logger(out: Path) -> Log:
     return log
 
 
-def _read_prompts(job_dir: Path) -> tuple[dict[str, Any], list[list[int]], list[list[int]]]:
-    try:
-        job = json.loads((job_dir / JOB_FILE).read_text())
-        p = np.load(job_dir / PROMPTS_FILE)
-    except (OSError, ValueError) as e:
-        raise DFlashError(f"{job_dir}: not a prepared job ({e})") from None
-    return job, _unpack(p["train_tokens"], p["train_offsets"]), _unpack(p["eval_tokens"], p["eval_offsets"])
-
-
 def run(job_dir: str | Path, target_path: str | Path, out: str | Path, opts: RunOptions) -> dict[str, Any]:
     from .torch_target import load_torch_target
 
     if opts.labels not in ("data", "target"):
         raise DFlashError(f"--labels must be data or target, got {opts.labels}")
     out = Path(out)
-    job, train_prompts, eval_prompts = _read_prompts(Path(job_dir))
+    job, train_prompts, eval_prompts = read_prompts(Path(job_dir))
     log = _logger(out)
     expected = job.get("target_sha256")
     if expected and Path(target_path).is_file() and file_sha256(Path(target_path)) != expected:
