@@ -13,6 +13,8 @@ from typing import Any
 DEFAULT_LR = 6e-4  # peak learning rate
 # gamma by block size, as published; other sizes use block_size / 2.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+# Training sequences whose target features set the per-channel feature scale.
+SCALE_EXAMPLES = 8
 # A feature channel that is (nearly) always zero keeps a unit scale rather than an enormous gain.
 MIN_SCALE = 1e-3
 

@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import DFlashError
 from .data import Example
 from .job_files import REPLIES_FILE, file_sha256, prepare, read_prompts, read_replies, split_file, write_replies
-from .recipe import DEFAULT_LR
+from .recipe import DEFAULT_LR, SCALE_EXAMPLES
 
 Log = Callable[[str], None]
 
@@ -158,7 +158,7 @@ def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
                               labels=opts.labels, autocast=opts.autocast)
     trainer = TorchTrainer(target, drafter, config, pad_id=pad_id, seed=opts.seed)
     stream = ExampleStream(None, examples, max_tokens=opts.seq_len, seed=opts.seed)
-    trainer.measure_feature_scale([stream.next() for _ in range(8)])
+    trainer.measure_feature_scale([stream.next() for _ in range(SCALE_EXAMPLES)])
     drafter_dir = out / "drafter"
     train_start = time.monotonic()
     last_export = last_eval = train_start

@@ -27,7 +27,6 @@ from .data import Example
 from .torch_model import TorchDFlashDrafter, block_labels, block_token_ids, decayed_cross_entropy, draft_blocks
 from .torch_target import TorchTarget
 
-SCALE_EXAMPLES = 8  # training sequences whose target features set the feature scale (as the MLX trainer)
 SHARD_BYTES = 16 * 2**20
 
 
@@ -79,7 +78,7 @@ class TorchTrainer:
     def measure_feature_scale(self, examples: Sequence[Example]) -> torch.Tensor:
         """Per-channel RMS of the selected layers over the first sequences, floored at recipe.MIN_SCALE."""
         total, count = None, 0
-        for e in examples[:SCALE_EXAMPLES]:
+        for e in examples[: recipe.SCALE_EXAMPLES]:
             tokens = torch.tensor([e.ids], device=self.device)
             with self._autocast():
                 _, f = self.target.forward(tokens, self.drafter.target_layer_ids)

@@ -40,13 +40,11 @@ from .evaluate import TauReport, measure_tau
 from .export import drafter_config, export_drafter
 from .loss import block_labels, decayed_cross_entropy, position_weights
 from .model import block_token_ids, draft_blocks, init_from_target
-from .recipe import DEFAULT_LR
+from .recipe import DEFAULT_LR, SCALE_EXAMPLES
 from .regenerate import REGENERATED, regenerated_conversations
 from .scaling import feature_scale, fold_feature_scale
 
 LABEL_SOURCES = ("target", "data")
-# Training sequences whose target features set the per-channel feature scale.
-SCALE_EXAMPLES = 8
 # Fields a resumed run may change; everything else comes from the checkpoint.
 RESUMABLE = ("steps", "max_minutes", "save_every", "eval_every", "eval_prompts", "eval_max_tokens")
 # Fields a resumed run changes only when asked (the schedule then follows the new peak rate).
