@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -18,10 +17,12 @@ from rich.table import Table
 from rich.text import Text
 
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.files import write_json_atomic
 from mlx_dflash.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app
 from .calibrate_cmd import block_size_option, calibration_for
+from .terminal_input import read_line
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
@@ -117,14 +118,14 @@ class ChatUI:
 
     def _read_terminal(self) -> str | None:
         try:
-            line = input(PROMPT)
+            line = read_line(PROMPT)
         except (EOFError, KeyboardInterrupt):
             return None
         if line.strip() == '"""':
             parts = []
             while True:
                 try:
-                    line = input(MORE)
+                    line = read_line(MORE)
                 except EOFError:
                     break
                 except KeyboardInterrupt:
@@ -137,7 +138,7 @@ class ChatUI:
         while line.endswith("\\"):
             parts.append(line[:-1])
             try:
-                line = input(MORE)
+                line = read_line(MORE)
             except EOFError:
                 break
             except KeyboardInterrupt:
@@ -249,7 +250,7 @@ class ChatUI:
         }
         try:
             if self.engine.target.world is None or self.engine.target.world.is_main:  # rank 0 writes
-                Path(path).expanduser().write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+                write_json_atomic(Path(path).expanduser(), data, indent=2, ensure_ascii=False)
         except OSError as e:
             raise DFlashError(f"cannot write {path}: {e.strerror}") from None
         self.console.print(f"[dim]saved {len(data['messages'])} messages to {escape(path)}[/]", highlight=False)

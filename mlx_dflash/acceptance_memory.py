@@ -20,6 +20,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .calibration import cache_file, calibration_key
+from .files import write_json_atomic
 from .generate import check_block_size
 from .policy import AcceptanceModel
 from .target import as_target
@@ -75,10 +76,8 @@ def remember(target: Any, drafter: nn.Module, acceptance: AcceptanceModel) -> st
     path = memory_file(target, drafter)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"version": VERSION, "reached": acceptance.reached,
-                                   "accepted": acceptance.accepted}))
-        tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+        write_json_atomic(path, {"version": VERSION, "reached": acceptance.reached,
+                                 "accepted": acceptance.accepted})
     except OSError as e:
         return f"could not save what auto learnt about the drafter ({e.strerror or e})"
     return None

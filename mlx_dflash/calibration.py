@@ -30,6 +30,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from ._platform import machine
 from .drafter import DFlashDraftModel
+from .files import write_json_atomic
 from .policy import candidate_sizes
 from .proposer2 import dflash_proposer
 from .session import DecodingSession
@@ -110,9 +111,7 @@ def load_calibration(key: dict[str, Any]) -> tuple[Calibration | None, str | Non
 def save_calibration(calibration: Calibration) -> Path:
     path = cache_file(calibration.key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(calibration.to_json(), indent=1))
-    tmp.replace(path)  # atomic: a concurrent reader sees the old file or the new one
+    write_json_atomic(path, calibration.to_json(), indent=1)  # a concurrent reader sees old or new
     return path
 
 

@@ -10,7 +10,7 @@ session fed the same rendered history.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +29,7 @@ from .generate import (
 )
 from .policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
 from .session import DecodingSession
+from .stream_guard import guarded
 from .target import TargetModel, as_target
 
 
@@ -95,6 +96,36 @@ class SessionTotals(CycleSummary):
     @property
     def measured_tps(self) -> float:
         return self.decoded_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+
+class IncrementalText:
+    """The text of a growing token list, told piece by piece, decoding only a short window.
+
+    Decoding the whole reply at every cycle costs time quadratic in its length; here each
+    `add` decodes the tokens since the last complete piece plus one token before them
+    (whose text is context only: a leading space depends on what precedes it).
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.window: list[int] = []  # tokens still decoded at each add; the first is context
+        self.told = 0  # characters of the window's text already returned
+
+    def add(self, ids: list[int]) -> str:
+        """The text the tokens so far add to what earlier calls returned."""
+        if not ids:
+            return ""
+        self.window += ids
+        text = self.decode(self.window)
+        # An incomplete multi-byte character decodes to U+FFFD: hold it back until completed.
+        # (Only past what was told: the context token alone may decode to U+FFFD, a character's tail.)
+        piece = text[self.told:].rstrip("\ufffd")
+        self.told += len(piece)
+        if self.told == len(text) and len(self.window) > 1:
+            # All told: keep the last token as the next window's context.
+            self.window = self.window[-1:]
+            self.told = len(self.decode(self.window))
+        return piece
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -212,15 +243,19 @@ class ChatEngine:
             detokenizer=self.tokenizer.detokenizer, policy=self.policy,
         )
         generated: list[int] = []
-        shown = ""
-        finish, event, consistent = "interrupted", None, True
-        try:
-            for event in stream:
-                draft_ids = event.tokens[: event.num_draft_accepted]
-                draft_text = self._decoded(generated + draft_ids)[len(shown):]
+        pieces = IncrementalText(self.tokenizer.decode)
+        finish, event, reply = "interrupted", None, ""
+
+        def store(consistent: bool) -> None:
+            nonlocal reply
+            reply = self._finish_turn(generated, finish, keep_partial, reused, consistent)
+
+        with guarded(stream, store) as events:
+            for event in events:
+                split = event.num_draft_accepted
+                draft_text = pieces.add(event.tokens[:split])
+                target_text = pieces.add(event.tokens[split:])
                 generated += event.tokens
-                target_text = self._decoded(generated)[len(shown) + len(draft_text):]
-                shown += draft_text + target_text
                 yield ChatEvent(draft_text, target_text, event)
                 if event.finish_reason:
                     finish = event.finish_reason
@@ -228,22 +263,16 @@ class ChatEngine:
                 # Distributed, rank 0's Ctrl-C stops every rank at the same cycle.
                 if self.target.agree_int(int(self._stop_requested)):
                     break
-        except GeneratorExit:
-            raise  # closed at a yield: the session is consistent
-        except BaseException:
-            consistent = False  # e.g. a hard Ctrl-C inside a cycle
-            raise
-        finally:
-            stream.close()
-            self._finish_turn(generated, finish, keep_partial, reused, consistent)
         stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
         self.totals.turns += 1
         self.totals.prompt_tokens += len(new)
         self.totals.add(stats)
-        return TurnResult(self.tokenizer.decode(generated), generated, stats, finish, len(new), reused)
+        return TurnResult(reply, generated, stats, finish, len(new), reused)
 
     def _finish_turn(self, generated: list[int], finish: str, keep_partial: bool, reused: int,
-                     consistent: bool) -> None:
+                     consistent: bool) -> str:
+        """Keep the turn in the messages and the session (or drop it); returns the reply's text."""
+        reply = self.tokenizer.decode(generated)
         if not consistent:
             # Stopped mid-cycle: the caches may hold uncommitted work. Start them afresh; the
             # next turn re-feeds the kept history (correct, only slower).
@@ -254,12 +283,9 @@ class ChatEngine:
                 self.session.truncate(reused)  # back to the state before this turn
             elif consistent:
                 self.session = self._new_session()
-            return
-        self.messages.append({"role": "assistant", "content": self.tokenizer.decode(generated)})
-
-    def _decoded(self, ids: list[int]) -> str:
-        # An incomplete multi-byte character decodes to U+FFFD: hold it back until completed.
-        return self.tokenizer.decode(ids).rstrip("\ufffd")
+            return reply
+        self.messages.append({"role": "assistant", "content": reply})
+        return reply
 
     def context_used(self) -> int:
         return len(self.session.tokens)

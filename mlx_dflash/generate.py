@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +13,7 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .drafter import DEFAULT_BLOCK_SIZE, DFlashDraftModel
 from .errors import DFlashError
-from .policy import AUTO, BlockSizePolicy, FixedBlockSize, make_policy
+from .policy import AUTO, BlockSizePolicy, FixedBlockSize, make_policy, reproducible
 from .proposer2 import dflash_proposer
 from .sampling import make_sampler
 from .session import Clock, DecodingSession
@@ -112,6 +111,7 @@ class GenerationEvent:
     text: str  # the text segment these tokens completed
     stats: GenerationStats
     finish_reason: str | None = None  # "stop" | "length" | None while running
+    logprobs: Any = None  # (len(tokens), V) the target's log-probabilities each token was sampled from, lazily
 
     @property
     def bonus_token(self) -> int | None:
@@ -191,8 +191,7 @@ def stream_generate(
         raise DFlashError("the prompt is empty: give at least one token")
     if max_tokens < 0:
         raise DFlashError(f"max_tokens must be >= 0, got {max_tokens}")
-    # A seeded sample repeats only if every run uses the same block sizes: then the drafter's.
-    auto = block_size in (None, AUTO) and not (seed is not None and temp > 0)
+    auto = block_size in (None, AUTO)
     block_size = check_block_size(None if auto else block_size, draft_model)
     if draft_window is not None and draft_window < 1:
         raise DFlashError(f"draft window must be >= 1 token, got {draft_window}")
@@ -204,7 +203,8 @@ def stream_generate(
     session = DecodingSession(target, proposer)
     yield from stream_session(
         session, ids, sampler, max_tokens=max_tokens, stop=stop, detokenizer=tokenizer.detokenizer,
-        profile=profile, policy=policy or make_policy(AUTO if auto else block_size, block_size, calibration),
+        profile=profile, policy=policy or reproducible(
+            make_policy(AUTO if auto else block_size, block_size, calibration), block_size, seed, temp),
     )
 
 
@@ -235,6 +235,7 @@ def stream_session(
     mx.reset_peak_memory()
     clock = Clock()
     produced, accepted = [session.extend(list(new_tokens), sampler)], 0  # the prefill commits one token
+    rows = session.prefill_logprobs
     stats.prefill_time = clock.lap()
     policy.begin()
     try:
@@ -254,33 +255,17 @@ def stream_session(
             stats.decode_time += clock.lap()
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
             yield GenerationEvent(
-                emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish
+                emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish, rows[: len(emitted)]
             )
             if finish:
                 return
             # Never verify more positions than the remaining budget can use.
-            budget = max_tokens - stats.num_tokens
-            # Timing-based choices differ between ranks: every rank takes rank 0's.
-            size = session.target.agree_int(policy.choose(budget, session.position))
-            ahead = size == 1 and budget > 1 and policy.promise_plain()  # then pipeline the plain steps
-            session.prepare(size)  # a backlog of drafter input is not this cycle's cost
-            started = time.perf_counter()
-            verified = session.step(sampler, size, stats.timings if profile else None, ahead=ahead)
-            kept = _kept_count(verified.tokens, stop, budget)
-            session.keep(verified, kept)
-            policy.record(size, verified.num_accepted, time.perf_counter() - started + session.moved_seconds)
-            produced, accepted = verified.tokens[:kept], verified.num_accepted
+            size, verified, kept = session.cycle(sampler, policy, max_tokens - stats.num_tokens, stop,
+                                                 stats.timings if profile else None)
+            produced, accepted, rows = verified.tokens[:kept], verified.num_accepted, verified.logprobs[:kept]
             stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction)
     finally:
         session.settle()  # the consumer stopped iterating
-
-
-def _kept_count(produced: list[int], stop: set[int], budget: int) -> int:
-    """Tokens to keep from a cycle: up to the first stop token or the budget."""
-    for i, token in enumerate(produced):
-        if token in stop or i + 1 >= budget:
-            return i + 1
-    return len(produced)
 
 
 def generate(

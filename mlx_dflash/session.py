@@ -12,9 +12,10 @@ never pay for the drafter, and no unevaluated draft-cache writes pile up between
 drafting cycles; `prepare` injects a longer backlog (and evaluates it) before the
 cycle starts, so that a timed cycle costs what that cycle does.
 
-A run of plain steps is pipelined as mlx-lm pipelines decoding: `step(..., ahead=True)`
-launches the next plain step on the lazily sampled token before reading this one, so
-building one step's graph overlaps computing the last. Until the next `step` takes it,
+A run of plain steps is pipelined as mlx-lm pipelines decoding: when the block-size
+policy promises that the next cycle is a plain step too, `cycle` launches it on the lazily
+sampled token before reading this one, so building one step's graph overlaps computing
+the last, and charges each cycle the work done for it. Until the next `step` takes it,
 that step is not part of the state: anything else first drops it (`settle`).
 """
 
@@ -25,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from .policy import BlockSizePolicy
 from .speculative import Launched, Proposer, Verified, launch_step
 from .target import TargetModel
 
@@ -48,6 +50,7 @@ class DecodingSession:
         self.moved_seconds = 0.0
         # Launching ahead needs a cheap way back (a trim) and no other rank to keep in step with.
         self.can_launch_ahead = target.world is None and target.checkpoint(self.cache) is None
+        self.prefill_logprobs: mx.array | None = None  # the last `extend`'s sampled row
 
     @property
     def position(self) -> int:
@@ -87,7 +90,8 @@ class DecodingSession:
 
     def prepare(self, block_size: int) -> None:
         """Before a cycle: inject a backlog of queued features when this cycle drafts (or when
-        it grew long) and evaluate it, so that its cost is not counted as this cycle's."""
+        it grew long: memory) and evaluate it. `cycle` counts it in the drafting cycle's cost:
+        a draft after a run of plain steps pays for the positions they left."""
         if block_size > 1:
             self.settle()
         if len(self._pending) > 1 and (block_size > 1 or self.pending_positions >= MAX_PENDING):
@@ -120,7 +124,8 @@ class DecodingSession:
         if not new_tokens:
             raise ValueError("extend() needs at least one new token")
         logits = self._feed(self.tokens[-1:] + list(new_tokens), max(self.position, 0))
-        token = self.target.agree(sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True))).item()
+        self.prefill_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, V): the token's row
+        token = self.target.agree(sampler(self.prefill_logprobs)).item()
         self.tokens.extend(list(new_tokens) + [token])
         return token
 
@@ -153,6 +158,22 @@ class DecodingSession:
             self.moved_seconds -= self._ahead_seconds
         self._inputs = block_size if self.proposer is not None else 1
         return launched.finish(timings)
+
+    def cycle(self, sampler: Any, policy: BlockSizePolicy, budget: int, stop: set[int],
+              timings: dict[str, float] | None = None) -> tuple[int, Verified, int]:
+        """One cycle of the size `policy` chooses, kept up to the first stop token or the
+        `budget`, the policy told what it cost: (block size, what was verified, tokens kept)."""
+        # Timing-based choices differ between ranks: every rank takes rank 0's.
+        size = self.target.agree_int(policy.choose(budget, self.position))
+        ahead = size == 1 and budget > 1 and policy.promise_plain()
+        started = time.perf_counter()  # a drafting cycle's cost includes injecting the plain steps' backlog
+        self.prepare(size)
+        verified = self.step(sampler, size, timings, ahead=ahead)
+        kept = next((i + 1 for i, t in enumerate(verified.tokens) if t in stop or i + 1 >= budget),
+                    len(verified.tokens))
+        self.keep(verified, kept)
+        policy.record(size, verified.num_accepted, time.perf_counter() - started + self.moved_seconds)
+        return size, verified, kept
 
     def keep(self, verified: Verified, count: int) -> None:
         """Commit the first `count` produced tokens; roll back the rest of the cycle."""

@@ -95,6 +95,7 @@ class Verified:
     features: Any  # (1, B, k*D) target features of the verified inputs, or None
     inputs: mx.array  # the verified inputs: the pending token, then the draft
     checkpoint: Any = None  # untrimmable target cache state before the verify (hybrid targets)
+    logprobs: Any = None  # (B, V) the target's log-probabilities after each input, lazily
 
 
 @dataclass
@@ -107,6 +108,7 @@ class Launched:
     inputs: mx.array
     checkpoint: Any
     started: float  # when its timed part began (profile)
+    logprobs: mx.array  # (B, V) the target's log-probabilities after each input, lazily
 
     def finish(self, timings: dict[str, float] | None = None) -> Verified:
         """Wait for the cycle and read its outcome: the one host sync per cycle, a decision."""
@@ -114,7 +116,8 @@ class Launched:
         if timings is not None:
             timings["verify"] = timings.get("verify", 0.0) + time.perf_counter() - self.started
         a = self.num_accepted.item()
-        return Verified(self.target_tokens[: a + 1].tolist(), a, self.features, self.inputs, self.checkpoint)
+        return Verified(self.target_tokens[: a + 1].tolist(), a, self.features, self.inputs, self.checkpoint,
+                        self.logprobs)
 
 
 def launch_step(
@@ -162,4 +165,4 @@ def launch_step(
         # position; the target's token at the first mismatch is emitted instead (lossless).
         target_tokens = target.agree(sampler(logprobs))
         num_accepted = mx.cumprod(inputs[1:] == target_tokens[:-1]).sum()
-    return Launched(target_tokens, num_accepted, features, inputs, checkpoint, start)
+    return Launched(target_tokens, num_accepted, features, inputs, checkpoint, start, logprobs)

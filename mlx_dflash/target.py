@@ -16,6 +16,7 @@ exactly the committed tokens.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,11 +84,27 @@ def check_forward(target: TargetModel) -> None:
         )
 
 
-def _copy_state(state: Any) -> Any:
-    # Fresh handles: later in-place writes into the live cache must not reach the copy.
-    if isinstance(state, (list, tuple)):
-        return type(state)(_copy_state(s) for s in state)
-    return mx.array(state) if isinstance(state, mx.array) else state
+def copy_state(value: Any) -> Any:
+    """`value` with new handles for its arrays, in lists, tuples and nested cache objects.
+
+    Later in-place writes into the live cache must not reach the copy (checkpoints, and the
+    server's prompt cache, keep copies beside caches that go on being written).
+    """
+    if isinstance(value, mx.array):
+        return mx.array(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(copy_state(v) for v in value)
+    if hasattr(type(value), "state") and hasattr(value, "__dict__"):
+        return copy_cache(value)  # a cache nested in another (mlx-lm's CacheList)
+    return value
+
+
+def copy_cache(cache: Any) -> Any:
+    """A copy of one cache object (target layer cache or draft context cache)."""
+    clone = copy.copy(cache)
+    for name, value in vars(cache).items():
+        setattr(clone, name, copy_state(value))
+    return clone
 
 
 class TargetModel:
@@ -192,7 +209,7 @@ class TargetModel:
 
     def checkpoint(self, cache: list[Any]) -> Checkpoint | None:
         """References to the state of caches that cannot be trimmed (None when all can)."""
-        saved = {i: _copy_state(c.state) for i, c in enumerate(cache) if not isinstance(c, _TRIMMABLE)}
+        saved = {i: copy_state(c.state) for i, c in enumerate(cache) if not isinstance(c, _TRIMMABLE)}
         return Checkpoint(saved) if saved else None
 
     def rollback(self, cache: list[Any], num_tokens: int, checkpoint: Checkpoint | None = None,
@@ -218,7 +235,7 @@ class TargetModel:
             if i not in checkpoint.states:
                 c.trim(num_tokens if mixers_only else num_tokens + kept)
                 continue
-            c.state = _copy_state(checkpoint.states[i])
+            c.state = copy_state(checkpoint.states[i])
             if mixers_only and kept:
                 self.family.replay_mixer(self.inner, i, checkpoint.mixer_inputs[i][:, :kept], c)
         if kept and not mixers_only:

@@ -7,7 +7,7 @@ import pytest
 from tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
 
 import mlx_dflash
-from mlx_dflash.chat import ChatEngine, ChatSettings, ContextOverflowError
+from mlx_dflash.chat import ChatEngine, ChatSettings, ContextOverflowError, IncrementalText
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.target import TargetModel
 
@@ -258,3 +258,99 @@ def test_totals_histogram_and_block_size_limits(pair):
     assert plain.settings.block_size == 1
     with pytest.raises(DFlashError, match="no drafter"):
         plain.set_block_size(4)
+
+
+class CountingTokenizer:
+    """A tokenizer that counts the token ids every `decode` is handed (the rest passes through)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.decoded = 0
+
+    def decode(self, ids, *args, **kwargs):
+        self.decoded += len(ids)
+        return self.tokenizer.decode(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_decoding_work_stays_linear_in_the_reply_length(endless):
+    """Each cycle decodes its new tokens (and a little context), never the whole reply again."""
+    model, tokenizer, drafter = endless
+    counting = CountingTokenizer(tokenizer)
+    engine = ChatEngine(model, counting, drafter, ChatSettings(max_tokens=600, block_size=2))
+    turn = engine.send("tell me a long story")
+    pieces = []
+    while True:
+        try:
+            event = next(turn)
+        except StopIteration as done:
+            result = done.value
+            break
+        pieces.append(event.text)
+    assert len(result.tokens) == 600 and result.stats.cycles > 200
+    assert "".join(pieces) == result.reply == tokenizer.decode(result.tokens)
+    # Decoding the reply so far twice a cycle hands decode ~cycles * length tokens (here ~360000).
+    assert counting.decoded <= 8 * len(result.tokens)
+
+
+def test_incremental_text_holds_back_incomplete_characters():
+    def decode(ids):  # byte-level: a multi-byte character split across tokens decodes to U+FFFD
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    text = "héllo wörld, 3 € — 東京 🙂!"
+    data = list(text.encode())
+    for chunk in (1, 2, 3, 5):
+        pieces = IncrementalText(decode)
+        told = [pieces.add(data[i:i + chunk]) for i in range(0, len(data), chunk)]
+        assert "".join(told) == text and not any("\ufffd" in piece for piece in told)
+
+
+def test_incremental_text_keeps_a_leading_space_the_context_decides():
+    vocab = ["\u2581Once", "\u2581upon", "\u2581a", "\u2581time", ",", "\u2581there", "\u2581was"]
+
+    def decode(ids):  # SentencePiece-like: a word's space is dropped at the start of the text
+        text = "".join(vocab[i] for i in ids).replace("\u2581", " ")
+        return text[1:] if text.startswith(" ") else text
+
+    ids = list(range(len(vocab)))
+    for chunk in (1, 2, 3):
+        pieces = IncrementalText(decode)
+        told = "".join(pieces.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk))
+        assert told == decode(ids) == "Once upon a time, there was"
+
+
+def test_the_store_step_the_chat_and_the_server_share():
+    """Stopped at a yield the session is kept; an exception inside a cycle marks it unusable."""
+    from mlx_dflash.stream_guard import guarded
+
+    def run(how: str) -> list:
+        log = []
+
+        def stream():
+            try:
+                yield from range(5)
+            finally:
+                log.append("closed")
+
+        def consumer():
+            with guarded(stream(), lambda consistent: log.append(consistent)) as events:
+                for i in events:
+                    yield i
+                    if how == "break" and i == 1:
+                        break
+                    if how == "raise" and i == 1:
+                        raise KeyboardInterrupt
+
+        outer = consumer()
+        try:
+            for i in outer:
+                if how == "close" and i == 1:
+                    outer.close()
+        except KeyboardInterrupt:
+            pass
+        return log
+
+    assert run("break") == run("close") == run("end") == ["closed", True]
+    assert run("raise") == ["closed", False]

@@ -135,3 +135,42 @@ def test_targets_whose_cache_cannot_drop_a_position_do_not_launch_ahead(model_ty
     tokens, _, in_flight = decode(session, PROMPT, 12, block_size=1)
     assert tokens == reference
     assert not any(in_flight)
+
+
+def test_a_draft_after_plain_steps_is_charged_for_the_backlog_it_injects(targets):
+    """`cycle` times the backlog's injection as the drafting cycle's cost (the first draft after
+    a run of plain steps pays for them), and each cycle is recorded once, with its size."""
+    import time as clock
+
+    from mlx_dflash.policy import FixedBlockSize
+
+    class SlowInjection(ScriptedProposer):
+        def commit(self, features, position):
+            clock.sleep(0.05)  # a batch of features costs this much to inject
+            super().commit(features, position)
+
+    class Script(FixedBlockSize):
+        def __init__(self, sizes):
+            super().__init__(1)
+            self.sizes, self.records = list(sizes), []
+
+        def choose(self, limit, position):
+            return self.sizes.pop(0)
+
+        def promise_plain(self):
+            return False
+
+        def record(self, size, accepted, seconds):
+            self.records.append((size, seconds))
+
+    model = targets("qwen3")
+    reference = greedy_reference(model, PROMPT, 20)
+    session = DecodingSession(TargetModel(model), SlowInjection(PROMPT + reference, VOCAB, target_layer_ids=[0, 2]))
+    session.extend(PROMPT, GREEDY)
+    policy = Script([1, 1, 1, 4])
+    for _ in range(4):
+        session.cycle(GREEDY, policy, budget=100, stop=set())
+    assert [size for size, _ in policy.records] == [1, 1, 1, 4]
+    plain = max(seconds for _, seconds in policy.records[:3])
+    assert policy.records[3][1] >= 0.05 + 0.5 * plain  # the injection of three queued positions
+    assert session.tokens == PROMPT + reference[: len(session.tokens) - len(PROMPT)]

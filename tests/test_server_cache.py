@@ -99,6 +99,29 @@ def test_lru_in_bytes_and_divergent_prefixes():
     assert session is newest and cached == len(newest.tokens) - 1 and len(cache) == 1
 
 
+def test_copies_keep_their_state_when_the_original_is_written_in_place():
+    """One copy serves the prompt cache's clones and the target's checkpoints (nested caches too)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
+
+    from mlx_dflash.target import copy_cache
+
+    ones = mx.ones((1, 2, 3, 4))
+    nested = CacheList(KVCache(), ArraysCache(1))
+    nested[0].update_and_fetch(ones, ones)
+    nested[1][0] = mx.zeros((1, 3))
+    clone = copy_cache(nested)
+    nested[0].update_and_fetch(2 * ones, 2 * ones)  # written into the same buffer, in place
+    assert clone[0].offset == 3 and clone[0].keys[..., 3:6, :].sum().item() == 0
+    assert clone[1][0] is not nested[1][0]
+    target = TargetModel(build("qwen3"))
+    window = RotatingKVCache(max_size=4)
+    window.update_and_fetch(ones, ones)
+    saved = target.checkpoint([window])
+    window.update_and_fetch(3 * ones[..., :1, :], 3 * ones[..., :1, :])  # in place, into the ring
+    assert mx.array_equal(saved.states[0][0], ones).item()
+
+
 def test_hybrid_divergence_starts_cold():
     session = _session("qwen3_5", 12)
     cache = PromptCache(1 << 30, lambda: DecodingSession(session.target))

@@ -303,25 +303,36 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server):
     assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
 
 
-def test_logprob_recorder_keeps_the_sampler_kind():
-    """Rejection verify needs a TargetSampler's `probs`: the recording sampler must still be one."""
-    from mlx_dflash.sampling import TargetSampler, make_sampler
-    from mlx_dflash.server.engine import LogprobRecorder
+def test_token_logprobs_read_each_tokens_row():
+    from mlx_dflash.server.engine import token_logprobs
 
-    recorder = LogprobRecorder(top=2)
     rows = mx.log(mx.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
-    sampled = recorder.sampler(make_sampler(1.0))
-    assert isinstance(sampled, TargetSampler)
-    sampled.probs(rows)
-    greedy = recorder.sampler(make_sampler(0.0))
-    assert greedy(rows[1:]).tolist() == [2]
-    # One entry per sampler call, taken in order (a step launched ahead records before the
-    # event of the cycle before it is taken).
-    (first, second) = recorder.take([0, 2])
+    first, second = token_logprobs(rows, [0, 2], top=2)
     assert first.logprob == pytest.approx(float(mx.log(mx.array(0.7)).item())) and [t for t, _ in first.top] == [0, 1]
-    assert second.logprob == pytest.approx(float(mx.log(mx.array(0.8)).item()))
-    (third,) = recorder.take([2])
-    assert third.logprob == pytest.approx(float(mx.log(mx.array(0.8)).item())) and [t for t, _ in third.top] == [2, 0]
+    assert second.logprob == pytest.approx(float(mx.log(mx.array(0.8)).item())) and [t for t, _ in second.top] == [2, 0]
+    (only,) = token_logprobs(rows[1:], [1], top=0)
+    assert only.logprob == pytest.approx(float(mx.log(mx.array(0.1)).item())) and only.top == []
+    assert token_logprobs(rows, [], top=2) == []
+
+
+def test_event_logprobs_are_the_rows_each_token_was_sampled_from(targets, drafters, make_tokenizer):
+    """Every event's rows, plain steps launched ahead included, are the target's own
+    distribution at that token: the same as a plain forward over the whole text."""
+    from tiny import VOCAB, ScriptedProposer, greedy_reference
+
+    from mlx_dflash import stream_generate
+
+    model = targets("qwen3")
+    prompt = [5, 17, 33, 90, 41, 7]
+    reference = greedy_reference(model, prompt, 40)
+    for proposer in (ScriptedProposer(prompt + reference, VOCAB, 0.3, seed=1, target_layer_ids=[0, 2]), None):
+        events = list(stream_generate(model, make_tokenizer(()), prompt, draft_model=proposer, max_tokens=30))
+        tokens = [t for e in events for t in e.tokens]
+        rows = mx.concatenate([e.logprobs.reshape(-1, e.logprobs.shape[-1]) for e in events if e.tokens])
+        logits = model(mx.array(prompt + tokens)[None])[0, len(prompt) - 1 : -1]
+        expected = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        assert tokens == reference[:30] and rows.shape == expected.shape
+        assert mx.allclose(rows, expected, atol=1e-4).item()
 
 
 def test_ctrl_c_ends_streams_in_flight_cleanly(endless):

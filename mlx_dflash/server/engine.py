@@ -17,9 +17,10 @@ from typing import Any
 import mlx.core as mx
 
 from ..generate import GenerationStats, check_block_size, make_proposer, stream_session
-from ..policy import AUTO, DEFAULT_BLOCK_SIZE, FixedBlockSize, make_policy
-from ..sampling import TargetSampler, make_sampler
+from ..policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy, reproducible
+from ..sampling import make_sampler
 from ..session import DecodingSession
+from ..stream_guard import guarded
 from ..target import TargetModel
 from .prompt_cache import PromptCache
 from .text import TextFilter
@@ -79,68 +80,22 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
-class LogprobRecorder:
-    """Keeps the log-probabilities the decode loop hands its sampler: the target's verify rows.
-
-    The sampler is called once per cycle (and once by the prefill), in cycle order, but a
-    plain step launched ahead calls it before the event of the cycle before: a queue, one
-    entry per event.
-    """
-
-    def __init__(self, top: int):
-        self.top = top
-        self._rows: list[mx.array] = []
-
-    def record(self, rows: mx.array) -> None:
-        self._rows.append(rows)
-
-    def sampler(self, sampler: Any) -> Any:
-        """`sampler`, recording what it is given (still a TargetSampler where it was one)."""
-        if isinstance(sampler, TargetSampler):
-            return _RecordingTargetSampler(sampler, self)
-        return _RecordingSampler(sampler, self)
-
-    def take(self, tokens: list[int]) -> list[TokenLogprob]:
-        """The logprobs of one event's tokens (every event takes its cycle's rows)."""
-        rows = self._rows.pop(0)
-        if not tokens:
-            return []
-        rows = rows.reshape(-1, rows.shape[-1])[: len(tokens)].astype(mx.float32)
-        chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
-        top_ids = top_values = None
-        if self.top:
-            top_ids = mx.argsort(-rows, axis=-1)[:, : self.top]
-            top_values = mx.take_along_axis(rows, top_ids, axis=-1).tolist()
-            top_ids = top_ids.tolist()
-        return [
-            TokenLogprob(t, lp, list(zip(top_ids[i], top_values[i], strict=True)) if top_ids else [])
-            for i, (t, lp) in enumerate(zip(tokens, chosen, strict=True))
-        ]
-
-
-class _RecordingSampler:
-    def __init__(self, sampler: Any, recorder: LogprobRecorder):
-        self.sample, self.recorder = sampler, recorder
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        self.recorder.record(logprobs)
-        return self.sample(logprobs)
-
-
-class _RecordingTargetSampler(TargetSampler):
-    """The same sampler (rejection verify uses its `probs`), recording both kinds of call."""
-
-    def __init__(self, sampler: TargetSampler, recorder: LogprobRecorder):
-        self.__dict__.update(vars(sampler))
-        self.recorder = recorder
-
-    def __call__(self, logprobs: mx.array) -> mx.array:
-        self.recorder.record(logprobs)
-        return super().__call__(logprobs)
-
-    def probs(self, logprobs: mx.array) -> mx.array:
-        self.recorder.record(logprobs)
-        return super().probs(logprobs)
+def token_logprobs(rows: mx.array, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under its row (the target's distribution it was sampled
+    from: `GenerationEvent.logprobs`), with the `top` most likely alternatives."""
+    if not tokens:
+        return []
+    rows = rows.reshape(-1, rows.shape[-1])[: len(tokens)].astype(mx.float32)
+    chosen = mx.take_along_axis(rows, mx.array(tokens)[:, None], axis=-1)[:, 0].tolist()
+    top_ids = top_values = None
+    if top:
+        top_ids = mx.argsort(-rows, axis=-1)[:, :top]
+        top_values = mx.take_along_axis(rows, top_ids, axis=-1).tolist()
+        top_ids = top_ids.tolist()
+    return [
+        TokenLogprob(t, lp, list(zip(top_ids[i], top_values[i], strict=True)) if top_ids else [])
+        for i, (t, lp) in enumerate(zip(tokens, chosen, strict=True))
+    ]
 
 
 class Engine:
@@ -153,7 +108,6 @@ class Engine:
         self.max_block_size = check_block_size(None, drafter)
         size = self.config.block_size
         self.block_size = size if size == AUTO or drafter is None else check_block_size(int(size), drafter)
-        self.fixed_block_size = self.max_block_size if size == AUTO else min(int(size), self.max_block_size)
         # One policy for every request: what pays on this machine holds across them.
         self.policy = make_policy(self.block_size if drafter is not None else 1, self.max_block_size,
                                   self.config.calibration)
@@ -233,24 +187,25 @@ class Engine:
         if req.seed is not None:
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
-        recorder = LogprobRecorder(req.top_logprobs) if req.top_logprobs is not None else None
-        # A seeded sample is reproducible only if every cycle has the same size: no timing-driven choice.
-        seeded = req.seed is not None and req.temperature > 0
-        policy = FixedBlockSize(self.fixed_block_size) if seeded else self.policy
+        policy = reproducible(self.policy, self.max_block_size, req.seed, req.temperature)
         text = TextFilter(req.stops, req.capture_marker)
-        if recorder is not None:
-            sampler = recorder.sampler(sampler)
         stream = stream_session(
             session, new, sampler, max_tokens=req.max_tokens, stop=self.stop_ids,
             detokenizer=self.tokenizer.detokenizer, policy=policy,
         )
-        finish, stop, event, consistent = "cancelled", None, None, True
-        try:
-            for event in stream:
+        finish, stop, event = "cancelled", None, None
+
+        def store(consistent: bool) -> None:
+            if consistent:
+                self.prompt_cache.store(session)
+
+        with guarded(stream, store) as events:
+            for event in events:
                 if event.stats.cycles == 0:  # the prompt's own event: its state is worth keeping
                     self.prompt_cache.snapshot(session)
                 released = text.push(event.text)
-                logprobs = recorder.take(event.tokens) if recorder is not None else None
+                logprobs = None if req.top_logprobs is None else \
+                    token_logprobs(event.logprobs, event.tokens, req.top_logprobs)
                 job.emit(Step(event.tokens, released.text, logprobs))
                 if released.stop is not None:
                     finish, stop = "stop", released.stop
@@ -260,13 +215,6 @@ class Engine:
                     break
                 if job.cancelled.is_set():
                     break
-        except BaseException:
-            consistent = False  # stopped inside a cycle: the caches may hold uncommitted work
-            raise
-        finally:
-            stream.close()
-            if consistent:
-                self.prompt_cache.store(session)
         if finish in ("stop", "length") and stop is None:
             tail = text.flush()
             if tail:

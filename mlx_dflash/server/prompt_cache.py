@@ -16,12 +16,12 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..chat import common_prefix
 from ..session import DecodingSession
 from ..speculative import DFlashProposer
+from ..target import copy_cache
 
 
 def session_bytes(session: DecodingSession) -> int:
@@ -34,25 +34,6 @@ def session_bytes(session: DecodingSession) -> int:
     if session.proposer is not None:
         total += sum(a.nbytes for a in session.proposer.state_arrays())
     return total
-
-
-def _fresh(value: Any) -> Any:
-    """New handles for arrays (in-place writes into the original must not reach the copy)."""
-    if isinstance(value, mx.array):
-        return mx.array(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_fresh(v) for v in value)
-    if hasattr(type(value), "state") and hasattr(value, "__dict__"):
-        return copy_cache(value)  # a cache nested in another (mlx-lm's CacheList)
-    return value
-
-
-def copy_cache(cache: Any) -> Any:
-    """A copy of one cache object (target layer cache or draft context cache)."""
-    clone = copy.copy(cache)
-    for name, value in vars(cache).items():
-        setattr(clone, name, _fresh(value))
-    return clone
 
 
 def clone_session(session: DecodingSession) -> DecodingSession | None:
