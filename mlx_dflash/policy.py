@@ -256,7 +256,7 @@ class CostModel:
         else:  # other work only adds time: one slow cycle moves a price little, two in a row more
             old = self._ratio_for(size)
             clipped = min(measured, 1.25 * old, max(self.last.get(size, old), old))
-            self.ratio[size] = old + (0.25 if clipped > old else 0.5) * (clipped - old)
+            self.ratio[size] = old + 0.25 * (clipped - old) if clipped > old else clipped
         self.last[size] = measured
         self.observations += 1
         self.updated[size] = self.observations
