@@ -100,7 +100,7 @@ def results_table(rows: list[dict]) -> Table:
 def bench(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name, Hugging Face repo id, mlx-lm directory or .gguf file (default: the embedded SmolLM2-135M-Instruct and its drafter, as in chat).")] = None,
     draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory, repo id or short name (default: the short name's or the embedded default's; without one only the target-alone modes run).")] = None,
-    dataset: Annotated[list[str] | None, typer.Option("--dataset", help="gsm8k | math500 | humaneval | mbpp | mt-bench | FILE (.jsonl/.json/.txt); repeatable.")] = None,
+    dataset: Annotated[list[str] | None, typer.Option("--dataset", help="gsm8k | math500 | humaneval | mbpp | mt-bench (the paper's five) | code-comment-humaneval | code-rename-mbpp | summary-sharegpt | passage-qa (input-grounded: replies copy their prompt) | FILE (.jsonl/.json/.txt); repeatable.")] = None,
     data_dir: Annotated[Path | None, typer.Option("--data-dir", help="Directory with local copies of the datasets (default: download from the Hub).")] = None,
     limit: Annotated[int, typer.Option("--limit", min=0, help="First N prompts of each dataset (0: all).")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per turn.")] = 256,
@@ -115,8 +115,12 @@ def bench(
     report: Annotated[Path | None, typer.Option("--report", help="Write a Markdown report with PNG plots to DIR (needs matplotlib).")] = None,
     context: Annotated[str | None, typer.Option("--context", help="Long-context sweep: pad prompts to these lengths, e.g. 1k,4k,8k.")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
+    lookup: Annotated[bool, typer.Option("--lookup/--no-lookup", help="Also run prompt lookup alone (lookup-auto) and beside the drafter (dflash+lookup-auto, the defaults of chat, generate and serve).")] = True,
 ) -> None:
-    """Benchmark DFlash against the target alone: tau, speedup, TTFT, memory; greedy outputs must match."""
+    """Benchmark DFlash and prompt lookup against the target alone: tau, speedup, TTFT, memory; greedy outputs must match.
+
+    Modes: mlx-lm and target (the target alone), lookup-auto (prompt lookup alone), dflash-SIZE (the
+    drafter alone) and dflash+lookup-auto (both, chosen each cycle: what users get by default)."""
     import mlx_dflash
     from mlx_dflash.bench import (
         BenchConfig,
@@ -150,9 +154,14 @@ def bench(
     # No acceptance remembered from earlier runs: every run of the benchmark starts alike.
     calibration = calibration_for(target, drafter, AUTO, recall=False) if AUTO in sizes else None
     engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
+    if lookup:
+        engines.append(DFlashEngine(target, tokenizer, None, AUTO, lookup=True))
     if drafter is not None:
         engines += [DFlashEngine(target, tokenizer, drafter, b, calibration=calibration, profile=profile)
                     for b in sizes]
+        if lookup and AUTO in sizes:
+            engines.append(DFlashEngine(target, tokenizer, drafter, AUTO, calibration=calibration, profile=profile,
+                                        lookup=True))
     widest = drafter.block_size if drafter is not None else DEFAULT_DRAFT_BLOCK
     oracle_calibration = None
     if rates and AUTO in sizes:  # what its cycles cost (no drafter runs), as a user's calibration would say
@@ -179,7 +188,7 @@ def bench(
         "model": model or choice.target, "draft": choice.draft, "datasets": names, "data_dir": str(data_dir) if data_dir else None,
         "limit": limit, "max_tokens": max_tokens, "block_sizes": sizes, "oracle_q": rates, "profile": profile,
         "temp": temp, "seed": seed, "think": think, "repeats": repeats,
-        "contexts": [c for c in contexts if c], "dtype": dtype, "modes": [e.name for e in engines],
+        "contexts": [c for c in contexts if c], "dtype": dtype, "modes": [e.name for e in engines], "lookup": lookup,
     }
     command = "dflash-mlx bench " + shlex.join(
         [*(["--model", model] if model else []), *(["--draft", draft] if draft else []), *(a for n in names for a in ("--dataset", n)),
@@ -188,7 +197,7 @@ def bench(
          *(["--oracle-q", ",".join(f"{q:g}" for q in rates)] if rates else []), *(["--profile"] if profile else []),
          "--temp", str(temp), "--seed", str(seed), "--repeats", str(repeats),
          *(["--think" if think else "--no-think"] if think is not None else []),
-         *(["--context", context] if context else [])]
+         *(["--context", context] if context else []), *([] if lookup else ["--no-lookup"])]
     )
     doc = build_document(result, settings, command)
     console = Console()

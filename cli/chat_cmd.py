@@ -25,6 +25,8 @@ from .calibrate_cmd import block_size_option, calibration_for
 from .terminal_input import read_line
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
+LOOKUP_STYLE = "green"  # tokens prompt lookup proposed and the target accepted
+SOURCE_STYLES = {"dflash": DRAFT_STYLE, "lookup": LOOKUP_STYLE}
 TARGET_STYLE = "bold"  # the target's own (bonus or corrected) tokens
 PROMPT, MORE = ">>> ", "... "
 
@@ -39,7 +41,7 @@ HELP = """\
 /max-tokens N       most tokens per reply
 /block-size auto|N  tokens per draft block: auto (chosen each cycle) or fixed (1: plain decoding)
 /think on|off       thinking switch of models that have one (e.g. Qwen3)
-/color on|off       colour drafted vs target tokens
+/color on|off       colour drafted, looked-up and target tokens
 /stats              acceptance and block-size histograms, predicted vs measured speed
 /save FILE          write the conversation as JSON
 /exit               leave (also Ctrl-D, or Ctrl-C at the prompt)
@@ -48,16 +50,16 @@ Ctrl-C while a reply streams stops it; the partial reply stays in the conversati
 
 
 def _load(console: Console, model: str | None, draft: str | None, no_draft: bool, dtype: str | None,
-          quantize: bool, q_bits: int) -> tuple[Any, Any, Any, list[str]]:
-    """Resolve and load the pair; returns (model, tokenizer, drafter, lines describing them)."""
+          quantize: bool, q_bits: int, lookup: bool | None = None) -> tuple[Any, Any, Any, list[str], bool]:
+    """Resolve and load the pair; returns (model, tokenizer, drafter, lines describing them, prompt lookup on)."""
     import mlx_dflash
     from mlx_dflash.resolve import choose_pair
 
     if model is None:
         with console.status("preparing the embedded default model (the first start converts it)"):
-            choice = choose_pair(model, draft, no_draft)
+            choice = choose_pair(model, draft, no_draft, lookup)
     else:
-        choice = choose_pair(model, draft, no_draft)
+        choice = choose_pair(model, draft, no_draft, lookup)
     model, draft, source = choice.target, choice.draft, choice.source
     notes = [escape(n) for n in choice.notes] + [f"[yellow]{escape(w)}[/]" for w in choice.warnings]
     quant = None
@@ -69,11 +71,12 @@ def _load(console: Console, model: str | None, draft: str | None, no_draft: bool
     dtype_name = str(target.model.norm.weight.dtype).replace("mlx.core.", "")
     lines = [
         escape(f"target   {model} ({source}, {where})"),
-        escape(f"drafter  {draft if drafter is not None else 'none (plain decoding)'}"),
+        escape(f"drafter  {draft if drafter is not None else 'none'}"),
+        "lookup   " + ("on (proposals read off the context; --no-lookup turns it off)" if choice.lookup else "off"),
         f"dtype    {dtype_name}" + (f", {quant}" if quant else ""),
         *notes,
     ]
-    return target, tokenizer, drafter, lines
+    return target, tokenizer, drafter, lines, choice.lookup
 
 
 def _quantized(console: Console, model: str, bits: int) -> tuple[str, str]:
@@ -236,6 +239,9 @@ class ChatUI:
             table.add_row(str(size) + (" (plain)" if size == 1 else ""), str(count),
                           "#" * max(1, round(30 * count / max(sizes.values()))))
         self.console.print(table)
+        if t.accepted_by_source:
+            self.console.print("accepted proposed tokens: " + ", ".join(
+                f"{n} {source}" for source, n in sorted(t.accepted_by_source.items())), highlight=False)
         if t.predicted_tps is not None:
             self.console.print(f"cost model: predicted {t.predicted_tps:.1f} tok/s, measured {t.measured_tps:.1f} "
                                "tok/s (decode)", highlight=False)
@@ -271,7 +277,7 @@ class ChatUI:
                     result = done.value
                     break
                 piece = Text()
-                piece.append(chunk.draft_text, DRAFT_STYLE if self.color else "")
+                piece.append(chunk.draft_text, SOURCE_STYLES.get(chunk.source, DRAFT_STYLE) if self.color else "")
                 piece.append(chunk.target_text, TARGET_STYLE if self.color else "")
                 st = chunk.event.stats
                 status = (f"{st.num_tokens} tok · {st.num_tokens / max(time.perf_counter() - start, 1e-9):.1f} tok/s"
@@ -376,25 +382,28 @@ def chat(
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,
+    lookup: Annotated[bool | None, typer.Option("--lookup/--no-lookup", help="Prompt lookup: also verify tokens read off the conversation, when auto expects them to pay (default: on, off with --no-draft).")] = None,
 ) -> None:
     """Chat with a model in the terminal; each accepted draft block appears at once.
 
-    Drafted tokens the target accepted are shown in cyan, the target's own tokens in bold.
+    Drafted tokens the target accepted are shown in cyan, tokens prompt lookup proposed and the
+    target accepted in green, the target's own tokens in bold.
     Type /help in the chat for its commands.
     """
     from mlx_dflash.chat import ChatEngine, ChatSettings
 
     console = Console(no_color=no_color or None, highlight=False)
-    target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
-                                              quantize or q_bits is not None, q_bits or 4)
+    target, tokenizer, drafter, lines, prompt_lookup = _load(console, model, draft, no_draft, dtype,
+                                                             quantize or q_bits is not None, q_bits or 4, lookup)
     size = parse_block_size(block_size)
     settings = ChatSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
                             block_size=size, system=system)
     calibration = calibration_for(target, drafter, size)
-    engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration)
+    engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration, prompt_lookup=prompt_lookup)
     for line in lines:
         console.print(line, highlight=False)
-    legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("target", TARGET_STYLE)) if not no_color else ""
+    legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("looked up", LOOKUP_STYLE), " / ",
+                           ("target", TARGET_STYLE)) if not no_color else ""
     console.print(Text.assemble(
         f"block size {engine.settings.block_size}, context {engine.max_context or 'unbounded'} tokens; ",
         legend, " · /help for commands, Ctrl-D to leave",

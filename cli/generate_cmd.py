@@ -77,7 +77,8 @@ def generate(
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed (sampling is reproducible).")] = None,
     block_size: Annotated[str, typer.Option("--block-size", callback=block_size_option, help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine) or a fixed N.")] = DEFAULT_BLOCK_SIZE,
     draft_window: Annotated[int | None, typer.Option("--draft-window", min=1, help="Drafter attends only the last N context tokens.")] = None,
-    no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (baseline).")] = False,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (baseline; no prompt lookup either, unless --lookup).")] = False,
+    lookup: Annotated[bool | None, typer.Option("--lookup/--no-lookup", help="Prompt lookup: also verify tokens read off the prompt and the reply so far, when auto expects them to pay (default: on, off with --no-draft).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object (schema in the README).")] = False,
 ) -> None:
@@ -87,7 +88,7 @@ def generate(
 
     if (prompt is None) == (prompt_ids_ is None):  # before any model is loaded or converted
         raise DFlashError("give exactly one of --prompt and --prompt-ids")
-    choice = choose_pair(model, draft, no_draft)
+    choice = choose_pair(model, draft, no_draft, lookup)
     for warning in choice.warnings:
         err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
     target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
@@ -99,7 +100,7 @@ def generate(
     for event in mlx_dflash.stream_generate(
         target, tokenizer, ids, draft_model=drafter, max_tokens=max_tokens, temp=temp,
         top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, block_size=size,
-        draft_window=draft_window, calibration=calibration,
+        draft_window=draft_window, calibration=calibration, prompt_lookup=choice.lookup,
     ):
         tokens.extend(event.tokens)
         if not as_json:
@@ -119,10 +120,12 @@ def generate(
             "prefill_tps": stats.prefill_tps,
             "generation_tps": stats.generation_tps,
             "peak_memory_gb": stats.peak_memory_gb,
-            "block_size": size if drafter else 1,
+            "block_size": size if drafter or choice.lookup else 1,
             "block_size_histogram": {str(k): v for k, v in stats.block_size_histogram.items()},
             "predicted_tps": stats.predicted_tps,
             "draft": drafter is not None,
+            "prompt_lookup": choice.lookup,
+            "accepted_by_source": stats.accepted_by_source,
             "world_size": world_size(),
             "comm_ms_per_cycle": _comm_ms(target, stats),
         }))
@@ -133,7 +136,7 @@ def generate(
         f"decode {stats.generation_tps:.1f} tok/s, tau {stats.tau:.2f}, "
         f"peak memory {stats.peak_memory_gb:.2f} GB[/]", highlight=False,
     )
-    if drafter is not None:
+    if drafter is not None or choice.lookup:
         err_console.print(f"[dim]{block_size_summary(stats)}[/]", highlight=False)
 
 
@@ -143,6 +146,8 @@ def block_size_summary(stats) -> str:
     text = f"block sizes {sizes or '-'} (size x cycles)"
     if stats.predicted_tps is not None:
         text += f", cost model predicted {stats.predicted_tps:.1f} tok/s"
+    if stats.accepted_by_source:
+        text += ", accepted " + " ".join(f"{n} {source}" for source, n in sorted(stats.accepted_by_source.items()))
     return text
 
 

@@ -32,7 +32,8 @@ def _check_port(host: str, port: int) -> None:
 def serve(
     model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name, Hugging Face repo id, mlx-lm directory or .gguf file (default: the embedded SmolLM2-135M-Instruct).")] = None,
     draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id.")] = None,
-    no_draft: Annotated[bool, typer.Option("--no-draft", help="Serve the target alone (plain decoding).")] = False,
+    no_draft: Annotated[bool, typer.Option("--no-draft", help="Serve the target alone (plain decoding; no prompt lookup either, unless --lookup).")] = False,
+    lookup: Annotated[bool | None, typer.Option("--lookup/--no-lookup", help="Prompt lookup: also verify tokens read off each request's prompt, when auto expects them to pay (default: on, off with --no-draft).")] = None,
     host: Annotated[str, typer.Option("--host", help="Address to bind (127.0.0.1: this machine only).")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8080,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every /v1 request.")] = None,
@@ -70,11 +71,11 @@ def serve(
     if world() is not None:
         raise DFlashError("serve does not run distributed (under mlx.launch) yet: serve on one machine, "
                           "or use generate, chat or bench across ranks")
-    target, tokenizer, drafter, lines = _load(console, model, draft, no_draft, dtype,
-                                              quantize or q_bits is not None, q_bits or 4)
+    target, tokenizer, drafter, lines, prompt_lookup = _load(console, model, draft, no_draft, dtype,
+                                                             quantize or q_bits is not None, q_bits or 4, lookup)
     calibration = calibration_for(target, drafter, size)
     engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes,
-                                                             calibration=calibration))
+                                                             calibration=calibration, prompt_lookup=prompt_lookup))
     model_id = served_name or model or EMBEDDED_ID
     aliases = {Path(model).name} if model else set()
     state = ServerState(engine, model_id, api_key=api_key, max_tokens_default=max_tokens_default,
@@ -82,7 +83,8 @@ def serve(
     for line in lines:
         console.print(line)
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
-    drafting = f"DFlash, block size {engine.block_size}" if drafter is not None else "plain decoding (no drafter)"
+    drafting = " and ".join(["DFlash"] * (drafter is not None) + ["prompt lookup"] * prompt_lookup)
+    drafting = f"{drafting}, block size {engine.block_size}" if drafting else "plain decoding"
     console.print(escape(
         f"serving '{model_id}' ({drafting}) at {where}/v1: OpenAI chat/completions and completions, "
         f"Anthropic messages{', API key required' if api_key else ''}; Ctrl-C stops"))

@@ -27,6 +27,7 @@ from .generate import (
     make_proposer,
     stream_session,
 )
+from .lookup import PromptLookup
 from .policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
 from .session import DecodingSession
 from .stream_guard import guarded
@@ -53,9 +54,14 @@ class ChatSettings:
 class ChatEvent:
     """One verify cycle of a reply, with its text split by who produced it."""
 
-    draft_text: str  # text of the drafter's accepted tokens
+    draft_text: str  # text of the accepted proposed tokens (the drafter's or prompt lookup's)
     target_text: str  # text of the target's own token(s)
     event: GenerationEvent
+
+    @property
+    def source(self) -> str | None:
+        """Who proposed `draft_text`: "dflash", "lookup" (None: nothing proposed was kept)."""
+        return self.event.source
 
     @property
     def text(self) -> str:
@@ -83,6 +89,7 @@ class SessionTotals(CycleSummary):
     predicted_seconds: float = 0.0
     decoded_tokens: int = 0  # tokens after each turn's first (which comes from its prefill)
     decode_time: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens kept: dflash, lookup
 
     def add(self, stats: GenerationStats) -> None:
         self.generated_tokens += stats.num_tokens
@@ -92,6 +99,8 @@ class SessionTotals(CycleSummary):
         self.predicted_seconds += stats.predicted_seconds
         self.decoded_tokens += max(stats.num_tokens - 1, 0)
         self.decode_time += stats.decode_time
+        for source, n in stats.accepted_by_source.items():
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + n
 
     @property
     def measured_tps(self) -> float:
@@ -148,12 +157,14 @@ class ChatEngine:
         settings: ChatSettings | None = None,
         max_context: int | None = None,
         calibration: Any = None,
+        prompt_lookup: bool = True,
     ):
         self.target = as_target(model)
         self.tokenizer = tokenizer
         self.draft_model = draft_model
+        self.prompt_lookup = prompt_lookup  # proposals read off the conversation (`mlx_dflash.lookup`)
         self.settings = settings or ChatSettings()
-        self.max_block_size = check_block_size(None, draft_model)
+        self.max_block_size = check_block_size(None, draft_model, lookup=prompt_lookup)
         self.calibration = calibration  # seeds `--block-size auto` (mlx_dflash.calibration)
         self.set_block_size(self.settings.block_size)
         self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None)
@@ -168,7 +179,7 @@ class ChatEngine:
     # -- state ---------------------------------------------------------------------------
     def _new_session(self) -> DecodingSession:
         proposer = make_proposer(self.target, self.draft_model, self.max_block_size)
-        return DecodingSession(self.target, proposer)
+        return DecodingSession(self.target, proposer, lookup=PromptLookup() if self.prompt_lookup else None)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and every cache."""
@@ -202,14 +213,18 @@ class ChatEngine:
 
     def set_block_size(self, n: int | str | None) -> None:
         """"auto" (None too) or a fixed size; the policy's record then spans the conversation."""
+        proposing = self.draft_model is not None or self.prompt_lookup
         if n in (None, AUTO):
-            self.settings.block_size = AUTO if self.draft_model is not None else 1
+            self.settings.block_size = AUTO if proposing else 1
         else:
-            if self.draft_model is None and n != 1:
-                raise DFlashError("block size must be 1 (no drafter: plain decoding)")
-            self.settings.block_size = check_block_size(n, self.draft_model)
+            if not proposing and n != 1:
+                raise DFlashError("block size must be 1 (no drafter and no prompt lookup: plain decoding)")
+            if self.draft_model is None and int(n) > self.max_block_size:
+                raise DFlashError(f"prompt lookup's block size is at most {self.max_block_size}, not {n}")
+            self.settings.block_size = check_block_size(n, self.draft_model, lookup=self.prompt_lookup)
         # One cost and acceptance record per setting: what pays on this machine holds across turns.
-        self.policy = make_policy(self.settings.block_size, self.max_block_size, self.calibration)
+        self.policy = make_policy(self.settings.block_size, self.max_block_size, self.calibration,
+                                  drafter=self.draft_model is not None, lookup=self.prompt_lookup)
 
     def request_stop(self) -> None:
         """Ask the running reply to stop at the end of its current cycle (signal-safe)."""

@@ -13,7 +13,8 @@ from mlx_lm.tokenizer_utils import TokenizerWrapper
 
 from .drafter import DEFAULT_BLOCK_SIZE, DFlashDraftModel
 from .errors import DFlashError
-from .policy import AUTO, BlockSizePolicy, FixedBlockSize, make_policy, reproducible
+from .lookup import PromptLookup
+from .policy import AUTO, LOOKUP_BLOCK, BlockSizePolicy, FixedBlockSize, make_policy, reproducible
 from .proposer2 import dflash_proposer
 from .sampling import make_sampler
 from .session import Clock, DecodingSession
@@ -76,11 +77,19 @@ class GenerationStats(CycleSummary):
     block_sizes: list[int] = field(default_factory=list)  # each cycle's block size (1: a plain step)
     predicted_tokens: float = 0.0  # `--block-size auto`: its expectations, summed over the cycles
     predicted_seconds: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens accepted, per source
+    proposed_by_source: dict[str, int] = field(default_factory=dict)  # tokens proposed, per source
+    cycles_by_source: dict[str, int] = field(default_factory=dict)  # verify cycles of each source
 
-    def add_cycle(self, size: int, produced: int, drafter: bool, prediction: tuple[float, float] | None) -> None:
+    def add_cycle(self, size: int, produced: int, drafter: bool, prediction: tuple[float, float] | None,
+                  source: str | None = None) -> None:
         self.acceptance_lengths.append(produced)
         self.block_sizes.append(size)
         self.plain_cycles += size == 1 and drafter
+        if source is not None:
+            self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + produced - 1
+            self.proposed_by_source[source] = self.proposed_by_source.get(source, 0) + size - 1
+            self.cycles_by_source[source] = self.cycles_by_source.get(source, 0) + 1
         if prediction is not None:
             self.predicted_tokens += prediction[0]
             self.predicted_seconds += prediction[1]
@@ -112,6 +121,7 @@ class GenerationEvent:
     stats: GenerationStats
     finish_reason: str | None = None  # "stop" | "length" | None while running
     logprobs: Any = None  # (len(tokens), V) the target's log-probabilities each token was sampled from, lazily
+    source: str | None = None  # who proposed the accepted tokens: "dflash", "lookup" (None: none were)
 
     @property
     def bonus_token(self) -> int | None:
@@ -126,15 +136,17 @@ def trained_block_size(draft_model: DFlashDraftModel | Proposer | None) -> int |
     return getattr(draft_model, "block_size", None)
 
 
-def check_block_size(block_size: int | None, draft_model: DFlashDraftModel | Proposer | None) -> int:
+def check_block_size(block_size: int | None, draft_model: DFlashDraftModel | Proposer | None, *,
+                     lookup: bool = False) -> int:
     """The block size to decode with: by default the drafter's; larger than its trained block is refused.
 
-    Without a drafter it is 1 (plain decoding), whatever was asked.
+    Without a drafter it is 1 (plain decoding), whatever was asked, or with `lookup` (prompt
+    lookup alone) the size asked, by default `LOOKUP_BLOCK`.
     """
     if block_size is not None and block_size < 1:
         raise DFlashError(f"block size must be >= 1, got {block_size}")
     if draft_model is None:
-        return 1
+        return (block_size or LOOKUP_BLOCK) if lookup else 1
     trained = trained_block_size(draft_model)
     if block_size is None:
         return trained or DEFAULT_BLOCK_SIZE
@@ -174,8 +186,9 @@ def stream_generate(
     profile: bool = False,
     calibration: Any = None,
     policy: BlockSizePolicy | None = None,
+    prompt_lookup: bool = True,
 ) -> Iterator[GenerationEvent]:
-    """Generate with DFlash (or the target alone when `draft_model` is None).
+    """Generate with DFlash and prompt lookup (the target alone with neither).
 
     Greedy output is token-identical to the target decoding alone; with temp > 0
     every token is an exact sample of the target's (top-p/top-k/min-p filtered)
@@ -184,6 +197,9 @@ def stream_generate(
     tokens per second (`mlx_dflash.policy`), seeded by a `calibration` when given
     (with a `seed` and temp > 0 it is the drafter's block, for reproducible samples);
     an int fixes it. `policy` overrides both (research, tests). Output never depends on it.
+    `prompt_lookup`: also verify proposals read off the prompt and the reply so far
+    (`mlx_dflash.lookup`) when `auto` expects them to pay; without a drafter they are the
+    only proposals (a fixed `block_size` then caps them).
     """
     target = as_target(model)
     ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -192,7 +208,10 @@ def stream_generate(
     if max_tokens < 0:
         raise DFlashError(f"max_tokens must be >= 0, got {max_tokens}")
     auto = block_size in (None, AUTO)
-    block_size = check_block_size(None if auto else block_size, draft_model)
+    if draft_model is None and prompt_lookup:
+        block_size = LOOKUP_BLOCK if auto else check_block_size(block_size, None, lookup=True)
+    else:
+        block_size = check_block_size(None if auto else block_size, draft_model)
     if draft_window is not None and draft_window < 1:
         raise DFlashError(f"draft window must be >= 1 token, got {draft_window}")
     if seed is not None:
@@ -200,12 +219,12 @@ def stream_generate(
     sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
     stop = set(tokenizer.eos_token_ids) | set(stop_tokens)
     proposer = make_proposer(target, draft_model, block_size, draft_window)
-    session = DecodingSession(target, proposer)
-    yield from stream_session(
-        session, ids, sampler, max_tokens=max_tokens, stop=stop, detokenizer=tokenizer.detokenizer,
-        profile=profile, policy=policy or reproducible(
-            make_policy(AUTO if auto else block_size, block_size, calibration), block_size, seed, temp),
-    )
+    session = DecodingSession(target, proposer, lookup=PromptLookup() if prompt_lookup else None)
+    policy = policy or reproducible(make_policy(AUTO if auto else block_size, block_size, calibration,
+                                                drafter=proposer is not None, lookup=prompt_lookup),
+                                    block_size, seed, temp)
+    yield from stream_session(session, ids, sampler, max_tokens=max_tokens, stop=stop,
+                              detokenizer=tokenizer.detokenizer, profile=profile, policy=policy)
 
 
 def stream_session(
@@ -234,7 +253,7 @@ def stream_session(
         return
     mx.reset_peak_memory()
     clock = Clock()
-    produced, accepted = [session.extend(list(new_tokens), sampler)], 0  # the prefill commits one token
+    produced, accepted, source = [session.extend(list(new_tokens), sampler)], 0, None  # the prefill commits one
     rows = session.prefill_logprobs
     stats.prefill_time = clock.lap()
     policy.begin()
@@ -254,16 +273,16 @@ def stream_session(
             stats.num_tokens += len(emitted)
             stats.decode_time += clock.lap()
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
-            yield GenerationEvent(
-                emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish, rows[: len(emitted)]
-            )
+            yield GenerationEvent(emitted, min(accepted, len(emitted)), detokenizer.last_segment, stats, finish,
+                                  rows[: len(emitted)], source if accepted else None)
             if finish:
                 return
             # Never verify more positions than the remaining budget can use.
             size, verified, kept = session.cycle(sampler, policy, max_tokens - stats.num_tokens, stop,
                                                  stats.timings if profile else None)
             produced, accepted, rows = verified.tokens[:kept], verified.num_accepted, verified.logprobs[:kept]
-            stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction)
+            source = verified.source
+            stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction, source)
     finally:
         session.settle()  # the consumer stopped iterating
 

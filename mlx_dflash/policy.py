@@ -28,8 +28,11 @@ changes the speed, never the output.
 - With no evidence of the drafter yet, the widest block is tried: one cycle measures
   every position. Uncalibrated, a plain step follows when its first position was rejected.
 
-Each proposal source (the DFlash drafter; others may join) keeps its own acceptance and
-costs; plain steps are priced for all alike. When a plain step is best by a margin and
+Each proposal source (the DFlash drafter, prompt lookup: `lookup.py`) keeps its own
+acceptance and costs; plain steps are priced for all alike. Each cycle takes the source and
+size with the best E[L] / t(L) among the sources that can propose now. Prompt lookup is
+never probed: what its proposal would have done is read off every cycle's committed tokens
+(`shadow`), so its estimate costs nothing to keep fresh. When a plain step is best by a margin and
 no probe can come next, `promise_plain` lets the session launch the next plain step
 before this one is read (`session.py`); the promise binds the next choice.
 The per-cycle work is a few dozen float operations on Python numbers: no array work,
@@ -43,11 +46,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from .errors import DFlashError
+from .lookup import LOOKUP
 
 AUTO = "auto"
 DEFAULT_BLOCK_SIZE = AUTO  # the one default of chat, generate, bench, the API and the server
 BASE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 DFLASH = "dflash"  # the drafter's source name
+LOOKUP_BLOCK = 16  # prompt lookup's widest block (15 proposed tokens)
 
 
 def candidate_sizes(max_block: int) -> list[int]:
@@ -82,8 +87,12 @@ class BlockSizePolicy(Protocol):
         """A generation starts (after its prefill)."""
         ...
 
-    def choose(self, limit: int, position: int) -> int:
-        """Block size of the next cycle (at most `limit`), the pending token at `position`."""
+    source: str  # the last choice's proposal source
+
+    def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
+        """Block size of the next cycle (at most `limit`), the pending token at `position`;
+        `offers`: the sources that can propose now, and how many tokens each can (default:
+        the drafter). The chosen source is left in `source`."""
         ...
 
     def promise_plain(self) -> bool:
@@ -95,6 +104,11 @@ class BlockSizePolicy(Protocol):
         """The cycle just chosen finished: its block size, accepted draft tokens, wall time."""
         ...
 
+    def shadow(self, source: str, drafted: int, accepted: int) -> None:
+        """A source not verified this cycle would have had the first `accepted` of its first
+        `drafted` tokens accepted (read off the committed tokens)."""
+        ...
+
 
 @dataclass
 class FixedBlockSize:
@@ -102,12 +116,16 @@ class FixedBlockSize:
 
     size: int
     prediction: tuple[float, float] | None = None
+    source: str = DFLASH
 
     def begin(self) -> None:
         pass
 
-    def choose(self, limit: int, position: int) -> int:
-        return min(self.size, limit)
+    def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
+        """The drafter's block when there is one, else prompt lookup's when it has a match."""
+        offers = {DFLASH: self.size - 1} if offers is None else offers
+        self.source = DFLASH if DFLASH in offers else LOOKUP
+        return max(min(self.size, limit, offers.get(self.source, 0) + 1), 1)
 
     def promise_plain(self) -> bool:
         return self.size == 1
@@ -115,17 +133,23 @@ class FixedBlockSize:
     def record(self, size: int, accepted: int, seconds: float) -> None:
         pass
 
+    def shadow(self, source: str, drafted: int, accepted: int) -> None:
+        pass
 
-def make_policy(block_size: int | str, max_block: int, calibration: Any = None) -> BlockSizePolicy:
-    """The policy for a `block_size` setting ("auto" or an int) with a drafter of `max_block`."""
+
+def make_policy(block_size: int | str, max_block: int, calibration: Any = None, *,
+                drafter: bool = True, lookup: bool = False) -> BlockSizePolicy:
+    """The policy for a `block_size` setting ("auto" or an int) with a drafter of `max_block`
+    (`drafter`: one proposes; `lookup`: prompt lookup proposes too, or alone)."""
     if block_size != AUTO:
         return FixedBlockSize(min(int(block_size), max_block))
-    if max_block <= 1:
+    if max_block <= 1 or not (drafter or lookup):
         return FixedBlockSize(1)
     learnt = getattr(calibration, "acceptance", None)
     if learnt is not None and learnt.depth != max_block - 1:
         learnt = None
-    return AutoBlockSize(max_block, base_costs=getattr(calibration, "costs", None), acceptance=learnt)
+    return AutoBlockSize(max_block, base_costs=getattr(calibration, "costs", None), acceptance=learnt,
+                         drafter=drafter, lookup=lookup)
 
 
 def reproducible(policy: BlockSizePolicy, max_block: int, seed: int | None, temp: float) -> BlockSizePolicy:
@@ -208,6 +232,11 @@ def generic_cost(size: int) -> float:
     return 1.0 if size == 1 else 1.3 + 0.02 * (size - 1)
 
 
+def verify_cost(size: int) -> float:
+    """The same shape without a draft pass (prompt lookup's cycles)."""
+    return 1.0 + 0.02 * (size - 1)
+
+
 @dataclass
 class CostModel:
     """Seconds per cycle of each block size: base(L, position) x a measured correction per size.
@@ -222,6 +251,7 @@ class CostModel:
     last: dict[int, float] = field(default_factory=dict)  # L -> its last measured ratio
     updated: dict[int, int] = field(default_factory=dict)  # L -> `observations` at its last measurement
     observations: int = 0
+    shape: Any = generic_cost  # L -> plain-step units, for sizes not calibrated
 
     STALE = 32  # observations of other sizes after which a size's own correction gives way
 
@@ -229,7 +259,9 @@ class CostModel:
         if size in self.base:
             a, b = self.base[size]
             return max(a + b * position, 1e-6)
-        return self.unit * generic_cost(size) if self.unit else None
+        if 1 in self.base:
+            return self.base_seconds(1, position) * self.shape(size)
+        return self.unit * self.shape(size) if self.unit else None
 
     def predict(self, size: int, position: int) -> float:
         """Expected seconds of a cycle of `size` (0.0: no opinion yet)."""
@@ -249,7 +281,7 @@ class CostModel:
 
     def observe(self, size: int, position: int, seconds: float) -> None:
         if self.base_seconds(size, position) is None:
-            self.unit = seconds / generic_cost(size)
+            self.unit = seconds / self.shape(size)
         measured = seconds / self.base_seconds(size, position)
         if not self.ratio:
             self.ratio[size] = measured
@@ -277,6 +309,8 @@ class AutoBlockSize:
     max_block: int
     base_costs: dict[int, tuple[float, float]] | None = None  # from a calibration
     acceptance: AcceptanceModel | None = None  # shared with a calibration (`acceptance_memory`)
+    drafter: bool = True  # a DFlash drafter proposes
+    lookup: bool = False  # prompt lookup proposes (beside the drafter, or alone)
     probe_share: float = 0.01  # of the time, what probes may lose against the best size
     min_gap: int = 8  # cycles between probes, at least
     carry_over: float = 6.0  # observations per position a new generation inherits
@@ -289,16 +323,22 @@ class AutoBlockSize:
     _since_probe: int = 0
     _credit: float = 0.0  # seconds probes may still lose
     _best_rate: float = 0.0  # during a probe: the best size's expected tokens per second
-    _whole: bool = False  # the best size's last block was accepted whole
+    _whole: bool = False  # the drafter's best size's last block was accepted whole
     _promised: bool = False
     _position: int = 0
     _last_end: float | None = None
 
     def __post_init__(self) -> None:
         self.sizes = self.sizes or candidate_sizes(self.max_block)
-        acceptance = self.acceptance or AcceptanceModel(self.max_block - 1)
-        self.sources = self.sources or {DFLASH: Source(acceptance, CostModel(dict(self.base_costs or {})))}
-        self.acceptance = self.sources[DFLASH].acceptance
+        base = dict(self.base_costs or {})
+        if not self.sources:
+            if self.drafter:
+                self.sources[DFLASH] = Source(self.acceptance or AcceptanceModel(self.max_block - 1), CostModel(base))
+            if self.lookup:
+                plain = {1: base[1]} if 1 in base else {}
+                self.sources[LOOKUP] = Source(AcceptanceModel(self.max_block - 1), CostModel(plain, shape=verify_cost))
+        self.source = next(iter(self.sources))
+        self.acceptance = self.sources[DFLASH].acceptance if DFLASH in self.sources else None
 
     @property
     def costs(self) -> CostModel:
@@ -310,35 +350,50 @@ class AutoBlockSize:
         for source in self.sources.values():
             source.acceptance.forget(self.carry_over)
 
-    def scores(self, position: int) -> dict[int, float]:
-        """Expected committed tokens per second of every candidate size."""
-        expected = self.acceptance.expected_tokens()
+    def scores(self, position: int, source: str | None = None) -> dict[int, float]:
+        """Expected committed tokens per second of every candidate size of `source` (default: the last one's)."""
+        model = self.sources[source or self.source]
+        expected = model.acceptance.expected_tokens()
         # Uncalibrated and nothing measured yet: the generic shape (in plain steps).
-        seconds = {L: self.costs.predict(L, position) or generic_cost(L) for L in self.sizes}
+        seconds = {L: model.costs.predict(L, position) or model.costs.shape(L) for L in self.sizes}
         return {L: expected[L] / (seconds[L] + self.overhead + 1e-9) for L in self.sizes}
 
-    def choose(self, limit: int, position: int) -> int:
+    def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
         self._position = position
         if self._last_end is not None:
             self.overhead += 0.25 * (time.perf_counter() - self._last_end - self.overhead)
-        self.probing = False
-        if limit <= 1 or self._promised:
-            size = 1
-        elif self.acceptance.evidence == 0:
-            size = self.sizes[-1]  # nothing known of the drafter: the widest block measures every position
-        elif not self.costs.base and 1 not in self.costs.ratio and self.acceptance.rates()[0] < 0.5:
-            size = 1  # uncalibrated, and the drafter looks weak: learn what a plain step costs
-        else:
-            scores = self.scores(position)
-            size = max(self.sizes, key=scores.__getitem__)
-            probe = self._probe(size, scores, position, 0.0)
-            if probe is not None:
-                size, self.probing, self._best_rate = probe[0], True, scores[size]
+        offers = {DFLASH: self.max_block - 1} if offers is None else offers
+        offers = {name: n for name, n in offers.items() if name in self.sources and n > 0}
+        self.probing, self.source = False, DFLASH if DFLASH in offers else next(iter(self.sources))
+        size, rate = 1, None  # the choice and its expected tokens per second
+        if limit > 1 and not self._promised and DFLASH in offers:
+            size = self._choose_drafted(position)
+            rate = self._best_rate if self.probing else self.scores(position, DFLASH)[size]
+        for name in sorted(offers.keys() - {DFLASH}) if limit > 1 and not self._promised else []:
+            scores = self.scores(position, name)  # judged by its shadowed record: never probed
+            best = max((L for L in self.sizes if L <= offers[name] + 1), key=scores.__getitem__)
+            if best > 1 and scores[best] > (scores[1] if rate is None else rate):
+                self.source, size, self.probing, rate = name, best, False, scores[best]
         self._promised = False
         size = min(size, limit)
         self._since_probe = 0 if self.probing else self._since_probe + 1
         seconds = self.costs.predict(size, position)
-        self.prediction = (self.acceptance.expected_tokens()[size], seconds + self.overhead) if seconds else None
+        expected = self.sources[self.source].acceptance.expected_tokens()[size]
+        self.prediction = (expected, seconds + self.overhead) if seconds else None
+        return size
+
+    def _choose_drafted(self, position: int) -> int:
+        """The drafter's best size (or a probe of a neighbour, or 1)."""
+        if self.acceptance.evidence == 0:
+            return self.sizes[-1]  # nothing known of the drafter: the widest block measures every position
+        costs = self.sources[DFLASH].costs
+        if not costs.base and 1 not in costs.ratio and self.acceptance.rates()[0] < 0.5:
+            return 1  # uncalibrated, and the drafter looks weak: learn what a plain step costs
+        scores = self.scores(position, DFLASH)
+        size = max(self.sizes, key=scores.__getitem__)
+        probe = self._probe(size, scores, position, 0.0)
+        if probe is not None:
+            size, self.probing, self._best_rate = probe[0], True, scores[size]
         return size
 
     def _probe(self, best: int, scores: dict[int, float], position: int, earned: float) -> tuple[int, float] | None:
@@ -353,28 +408,39 @@ class AutoBlockSize:
             return None
         probe = max(neighbours, key=scores.__getitem__)
         # Its time less what the best size would take for the tokens it is expected to commit.
-        loss = max((self.costs.predict(probe, position) or 0.0) * (1.0 - scores[probe] / scores[best]), 0.0)
+        seconds = self.sources[DFLASH].costs.predict(probe, position) or 0.0
+        loss = max(seconds * (1.0 - scores[probe] / scores[best]), 0.0)
         return (probe, loss) if self._credit + earned >= loss else None
 
     def promise_plain(self) -> bool:
         if self.probing or self._promised:
             return False
-        scores = self.scores(self._position)
-        if any(scores[L] >= 0.95 * scores[1] for L in self.sizes if L > 1):
-            return False  # a near tie: this cycle's measurement may change the choice
-        self._since_probe += 1  # as the next cycle will see it
-        earned = self.probe_share * self.costs.predict(1, self._position)
-        self._promised = self._probe(1, scores, self._position, earned) is None
-        self._since_probe -= 1
+        for name in self.sources:
+            scores = self.scores(self._position, name)
+            if any(scores[L] >= 0.95 * scores[1] for L in self.sizes if L > 1):
+                return False  # a near tie: this cycle's measurement may change the choice
+        self._promised = True
+        if DFLASH in self.sources:  # unless the drafter's next cycle may be a probe
+            self._since_probe += 1  # as the next cycle will see it
+            earned = self.probe_share * self.sources[DFLASH].costs.predict(1, self._position)
+            self._promised = self._probe(1, self.scores(self._position, DFLASH), self._position, earned) is None
+            self._since_probe -= 1
         return self._promised
+
+    def shadow(self, source: str, drafted: int, accepted: int) -> None:
+        if source in self.sources:
+            self.sources[source].acceptance.observe(drafted, accepted)
 
     def record(self, size: int, accepted: int, seconds: float) -> None:
         if size > 1:
-            self.acceptance.observe(size - 1, accepted)
-        if not self.probing:
+            self.sources[self.source].acceptance.observe(size - 1, accepted)
+        if not self.probing and self.source == DFLASH:
             self._whole = size > 1 and accepted == size - 1
         for source in self.sources.values() if size == 1 else [self.sources[self.source]]:
             source.costs.observe(size, self._position, seconds)
+        for source in self.sources.values():  # a source not measured yet is priced in the same plain steps
+            if source.costs.unit is None and not source.costs.base:
+                source.costs.unit = self.sources[self.source].costs.unit
         if self.probing:  # what it lost in fact: its time less what the best size takes for its tokens
             self._credit -= seconds + self.overhead - (accepted + 1) / self._best_rate
         # Probes may lose `probe_share` of the time, saved up to two cycles' worth.

@@ -236,13 +236,17 @@ class PairChoice:
     source: str  # how the target was named
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    lookup: bool = True  # prompt lookup proposes too (or alone, without a drafter)
 
 
-def choose_pair(model: str | None, draft: str | None, no_draft: bool = False) -> PairChoice:
+def choose_pair(model: str | None, draft: str | None, no_draft: bool = False,
+                lookup: bool | None = None) -> PairChoice:
     """The pair every command loads: no model means the embedded SmolLM2 pair (converted on first use),
-    a short name brings its z-lab drafter, and an explicit --draft or --no-draft wins."""
+    a short name brings its z-lab drafter, and an explicit --draft or --no-draft wins. Prompt
+    lookup is on unless --no-draft (the target alone) or --no-lookup; --lookup turns it on."""
     notes: list[str] = []
     warnings: list[str] = []
+    lookup = not no_draft if lookup is None else lookup
     if model is None:
         model, source = str(embedded_default_target()), "embedded default, SmolLM2-135M-Instruct"
         if draft is None and not no_draft:
@@ -254,7 +258,7 @@ def choose_pair(model: str | None, draft: str | None, no_draft: bool = False) ->
                              "drafting does not pay")
             else:
                 warnings.append("no trained DFlash drafter exists yet for the embedded default: "
-                                "plain decoding (no speedup)")
+                                + ("prompt lookup alone" if lookup else "plain decoding (no speedup)"))
     elif is_short_name(model):
         pair = known_pair(model)
         source = f"short name for {pair.target}"
@@ -263,11 +267,12 @@ def choose_pair(model: str | None, draft: str | None, no_draft: bool = False) ->
     else:
         source = "as given"
         if draft is None and not no_draft:
-            warnings.append("no --draft given: plain decoding with the target alone")
+            warnings.append("no --draft given: " + ("prompt lookup alone (proposals read off the context)"
+                                                    if lookup else "plain decoding with the target alone"))
     if no_draft:
         draft = None
-        notes.append("--no-draft: plain decoding with the target alone")
-    return PairChoice(model, draft, source, tuple(notes), tuple(warnings))
+        notes.append("--no-draft: " + ("prompt lookup alone" if lookup else "plain decoding with the target alone"))
+    return PairChoice(model, draft, source, tuple(notes), tuple(warnings), lookup)
 
 
 def embedded_default_target() -> Path:

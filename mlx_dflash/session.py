@@ -17,6 +17,11 @@ policy promises that the next cycle is a plain step too, `cycle` launches it on 
 sampled token before reading this one, so building one step's graph overlaps computing
 the last, and charges each cycle the work done for it. Until the next `step` takes it,
 that step is not part of the state: anything else first drops it (`settle`).
+
+With prompt lookup (`lookup.py`) a cycle may verify a proposal read off the committed
+tokens instead of a draft; the policy chooses the source, and every cycle tells it what
+the lookup's proposal would have done (`shadow`). A lookup cycle leaves the drafter's
+features queued, as a plain step does.
 """
 
 from __future__ import annotations
@@ -26,18 +31,23 @@ from typing import Any
 
 import mlx.core as mx
 
-from .policy import BlockSizePolicy
+from .lookup import LOOKUP, PromptLookup
+from .policy import DFLASH, BlockSizePolicy
 from .speculative import Launched, Proposer, Verified, launch_step
 from .target import TargetModel
 
 PREFILL_CHUNK = 2048
+LOOKUP_TOKENS = 15  # the most tokens prompt lookup proposes (a block of 16)
+MAX_PROPOSAL = 1 << 20  # the drafter can propose as many as the policy asks
 MAX_PENDING = 512  # queued feature positions past which plain steps inject them anyway (memory)
 
 
 class DecodingSession:
-    def __init__(self, target: TargetModel, proposer: Proposer | None = None, *, defer_injection: bool = True):
+    def __init__(self, target: TargetModel, proposer: Proposer | None = None, *, defer_injection: bool = True,
+                 lookup: PromptLookup | None = None):
         self.target = target
         self.proposer = proposer
+        self.lookup = lookup  # prompt lookup's index of `tokens`, or None (off)
         self.cache = target.make_cache()
         self.tokens: list[int] = []
         self._inputs = 0  # positions of the last step's verify inputs in the target cache
@@ -130,14 +140,17 @@ class DecodingSession:
         return token
 
     def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None,
-             *, ahead: bool = False) -> Verified:
+             *, ahead: bool = False, draft: list[int] | None = None) -> Verified:
         """One verify cycle from the pending token; follow it with `keep`.
 
         `ahead` (a plain step, when the next cycle is known to be one too): launch the next
         step before reading this one. Output is the same either way; only the timing moves.
+        `draft`: verify these block_size - 1 tokens (prompt lookup's) instead of drafting.
         """
         self.target.heartbeat()
-        if block_size > 1:
+        if draft is not None:
+            self.settle()
+        elif block_size > 1:
             self.settle()
             if self.proposer is not None:
                 self.inject_pending()  # the drafter reads every committed position
@@ -147,7 +160,7 @@ class DecodingSession:
         if launched is None:
             last = mx.array(self.tokens[-1:], dtype=mx.uint32)
             launched = launch_step(self.target, self.cache, self.proposer, sampler, last, self.position,
-                                   block_size, timings=timings)
+                                   block_size, timings=timings, draft=draft)
         if ahead and block_size == 1 and self.can_launch_ahead and timings is None:  # profile: in order
             mx.async_eval(launched.target_tokens)
             start = time.perf_counter()
@@ -156,23 +169,37 @@ class DecodingSession:
             mx.async_eval(self._ahead.target_tokens)
             self._ahead_seconds = time.perf_counter() - start
             self.moved_seconds -= self._ahead_seconds
-        self._inputs = block_size if self.proposer is not None else 1
-        return launched.finish(timings)
+        self._inputs = launched.inputs.shape[0]
+        verified = launched.finish(timings)
+        if self._inputs > 1:
+            verified.source = LOOKUP if draft is not None else DFLASH
+        return verified
 
     def cycle(self, sampler: Any, policy: BlockSizePolicy, budget: int, stop: set[int],
               timings: dict[str, float] | None = None) -> tuple[int, Verified, int]:
         """One cycle of the size `policy` chooses, kept up to the first stop token or the
         `budget`, the policy told what it cost: (block size, what was verified, tokens kept)."""
+        looked_up = self.lookup.propose(self.tokens, LOOKUP_TOKENS) if self.lookup is not None else []
+        offers = {DFLASH: MAX_PROPOSAL} if self.proposer is not None else {}
+        if looked_up:
+            offers[LOOKUP] = len(looked_up)
         # Timing-based choices differ between ranks: every rank takes rank 0's.
-        size = self.target.agree_int(policy.choose(budget, self.position))
+        size = self.target.agree_int(policy.choose(budget, self.position, offers))
+        source = policy.source if size > 1 else DFLASH
+        if self.target.world is not None and looked_up:
+            source = LOOKUP if self.target.agree_int(source == LOOKUP) else DFLASH
+        draft = looked_up[: size - 1] if source == LOOKUP else None
         ahead = size == 1 and budget > 1 and policy.promise_plain()
         started = time.perf_counter()  # a drafting cycle's cost includes injecting the plain steps' backlog
-        self.prepare(size)
-        verified = self.step(sampler, size, timings, ahead=ahead)
+        self.prepare(size if draft is None else 1)
+        verified = self.step(sampler, size, timings, ahead=ahead, draft=draft)
         kept = next((i + 1 for i, t in enumerate(verified.tokens) if t in stop or i + 1 >= budget),
                     len(verified.tokens))
         self.keep(verified, kept)
         policy.record(size, verified.num_accepted, time.perf_counter() - started + self.moved_seconds)
+        if looked_up and draft is None:  # what the lookup's proposal would have had accepted
+            seen = min(kept, len(looked_up))
+            policy.shadow(LOOKUP, seen, next((i for i in range(seen) if verified.tokens[i] != looked_up[i]), seen))
         return size, verified, kept
 
     def keep(self, verified: Verified, count: int) -> None:
@@ -196,6 +223,8 @@ class DecodingSession:
         if drop <= 0:
             return
         self.settle()
+        if self.lookup is not None:
+            self.lookup.truncate(self.tokens, length)
         self.inject_pending()  # then the drafter holds every committed position and can trim
         try:
             if self.target.checkpoint(self.cache) is not None:

@@ -96,6 +96,7 @@ class Verified:
     inputs: mx.array  # the verified inputs: the pending token, then the draft
     checkpoint: Any = None  # untrimmable target cache state before the verify (hybrid targets)
     logprobs: Any = None  # (B, V) the target's log-probabilities after each input, lazily
+    source: str | None = None  # who proposed the verified tokens ("dflash", "lookup"; None: a plain step)
 
 
 @dataclass
@@ -129,17 +130,22 @@ def launch_step(
     position: int,
     block_size: int,
     timings: dict[str, float] | None = None,
+    draft: list[int] | None = None,
 ) -> Launched:
     """Draft, verify and accept one block, lazily: the graph of the cycle, read back by `finish`.
 
     The target cache is left holding all B inputs. With no proposer (or block_size 1) this
-    is one plain decoding step of the target. `timings`, when given, accumulates
-    draft/verify seconds (forcing a sync after drafting).
+    is one plain decoding step of the target. `draft` (prompt lookup's tokens) is verified
+    instead of drafting. `timings`, when given, accumulates draft/verify seconds (forcing a
+    sync after drafting).
     """
     start = time.perf_counter()
     capture = proposer.target_layer_ids if proposer is not None else ()
-    draft, proposal, inputs = None, None, last_token.astype(mx.uint32)
-    if proposer is not None and block_size > 1:
+    proposal, inputs = None, last_token.astype(mx.uint32)
+    if draft is not None:
+        draft = mx.array(draft, dtype=mx.uint32)
+        inputs = mx.concatenate([inputs, draft])
+    elif proposer is not None and block_size > 1:
         draft, proposal = draft_block(proposer, sampler, last_token, position, block_size)
         inputs = mx.concatenate([inputs, draft])
         if timings is not None:
@@ -161,8 +167,8 @@ def launch_step(
         target_tokens = target.agree(sampler(logprobs))
         num_accepted = mx.array(0)
     else:
-        # Accept drafted tokens while they equal the token the target itself chose at that
-        # position; the target's token at the first mismatch is emitted instead (lossless).
+        # Accept drafted tokens while they equal the token the target itself chose (or sampled)
+        # at that position; the target's token at the first mismatch is emitted instead (lossless).
         target_tokens = target.agree(sampler(logprobs))
         num_accepted = mx.cumprod(inputs[1:] == target_tokens[:-1]).sum()
     return Launched(target_tokens, num_accepted, features, inputs, checkpoint, start, logprobs)

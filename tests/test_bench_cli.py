@@ -42,10 +42,14 @@ def test_bench_writes_json_and_report(pair, tmp_path):
     assert result.exit_code == 0, result.output
     assert "dflash-b4" in result.output and "dflash-b8" in result.output
     doc = json.loads(out.read_text())
-    assert doc["ok"] is True and doc["config"]["modes"] == ["mlx-lm", "target", "dflash-b4", "dflash-b8"]
+    modes = ["mlx-lm", "target", "lookup-auto", "dflash-b4", "dflash-b8"]  # (no auto: no dflash+lookup-auto)
+    assert doc["ok"] is True and doc["config"]["modes"] == modes
     assert doc["config"]["block_sizes"] == [4, 8] and doc["config"]["think"] is False
-    # gsm8k: 1 turn, mt-bench: 2 turns; x 2 repeats x 4 modes
-    assert len(doc["records"]) == 3 * 2 * 4
+    # gsm8k: 1 turn, mt-bench: 2 turns; x 2 repeats x 5 modes
+    assert len(doc["records"]) == 3 * 2 * 5
+    for r in doc["records"]:  # who proposed the accepted tokens
+        assert set(r["accepted_by_source"]) <= {"lookup"} if r["mode"] == "lookup-auto" else \
+            set(r["accepted_by_source"]) <= {"dflash"}
     assert {r["dataset"] for r in doc["summary"]} == {"gsm8k", "mt-bench", "all"}
     assert all(r["match"] for r in doc["records"])
     text = (report / "README.md").read_text()
@@ -90,7 +94,11 @@ def test_user_file_without_drafter(pair, tmp_path):
                                       "--max-tokens", "5", "--json", str(out)])
     assert result.exit_code == 0, result.output
     doc = json.loads(out.read_text())
-    assert doc["config"]["modes"] == ["mlx-lm", "target"] and len(doc["records"]) == 4
+    assert doc["config"]["modes"] == ["mlx-lm", "target", "lookup-auto"] and len(doc["records"]) == 6
+    result = CliRunner().invoke(app, ["bench", "--model", str(target), "--dataset", str(prompts),
+                                      "--max-tokens", "5", "--json", str(out), "--no-lookup"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(out.read_text())["config"]["modes"] == ["mlx-lm", "target"]
 
 
 def test_bad_input_is_one_clear_error(pair, tmp_path):
@@ -128,8 +136,9 @@ def test_auto_fixed_and_oracle_modes(pair, tmp_path):
     doc = json.loads(out.read_text())
     assert doc["ok"] and doc["config"]["block_sizes"] == ["auto", 8, 1] and doc["config"]["oracle_q"] == [0, 0.5]
     modes = doc["config"]["modes"]
-    assert modes == ["mlx-lm", "target", "dflash-auto", "dflash-b8", "dflash-b1", "oracle-q0-auto", "oracle-q0-b8",
-                     "oracle-q0-b1", "oracle-q0.5-auto", "oracle-q0.5-b8", "oracle-q0.5-b1"]
+    assert modes == ["mlx-lm", "target", "lookup-auto", "dflash-auto", "dflash-b8", "dflash-b1", "dflash+lookup-auto",
+                     "oracle-q0-auto", "oracle-q0-b8", "oracle-q0-b1", "oracle-q0.5-auto", "oracle-q0.5-b8",
+                     "oracle-q0.5-b1"]
     rows = {r["mode"]: r for r in doc["summary"]}
     assert rows["dflash-b1"]["block_size_histogram"] == {"1": rows["dflash-b1"]["cycles"]}
     assert set(rows["dflash-b8"]["block_size_histogram"]) <= {str(n) for n in range(1, 9)}

@@ -254,10 +254,15 @@ def test_totals_histogram_and_block_size_limits(pair):
     engine.set_block_size(1)  # block 1: the target decodes alone, still through the session
     c = run_turn(engine, "three")
     assert set(c.stats.acceptance_lengths) <= {1}
-    plain = ChatEngine(model, tokenizer, None)
+    plain = ChatEngine(model, tokenizer, None, prompt_lookup=False)
     assert plain.settings.block_size == 1
     with pytest.raises(DFlashError, match="no drafter"):
         plain.set_block_size(4)
+    looked_up = ChatEngine(model, tokenizer, None)  # prompt lookup alone: auto, or a fixed size up to 16
+    assert looked_up.settings.block_size == "auto" and looked_up.max_block_size == 16
+    looked_up.set_block_size(4)
+    with pytest.raises(DFlashError, match="at most 16"):
+        looked_up.set_block_size(17)
 
 
 class CountingTokenizer:

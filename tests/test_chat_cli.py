@@ -153,7 +153,8 @@ def test_embedded_default_target(pair, monkeypatch):
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "embedded default" in out and "no trained DFlash drafter exists yet" in out
-    assert "drafter none (plain decoding)" in out and summaries(out)[0][0] == 3
+    assert "drafter none" in out and "prompt lookup alone" in out and "lookup on" in out
+    assert summaries(out)[0][0] == 3
 
 
 def test_embedded_default_drafter_is_used_when_shipped(pair, monkeypatch):

@@ -1,11 +1,12 @@
 """Greedy DFlash output is the target's own greedy output, token for token.
 
 The ground truth is mlx-lm's `generate_step` on the target alone
-(`tiny.greedy_reference`); our `--no-draft` path (`draft_model=None`) must equal
-it too. Randomized over every supported family, tiny random DFlash drafters and
-scripted proposers with random error rates (so that every acceptance length
-occurs), prompt lengths 1-200, block sizes 2-16, budgets that end mid-block and
-stop tokens inside a block. Each case has a fixed seed: a failure names it.
+(`tiny.greedy_reference`); our `--no-draft` path (`draft_model=None`,
+`prompt_lookup=False`) and prompt lookup alone must equal it too. Randomized
+over every supported family, tiny random DFlash drafters and scripted
+proposers with random error rates (so that every acceptance length occurs),
+prompt lengths 1-200, block sizes 2-16, budgets that end mid-block and stop
+tokens inside a block. Each case has a fixed seed: a failure names it.
 """
 
 from __future__ import annotations
@@ -104,9 +105,16 @@ def test_greedy_is_lossless(family, index, targets, drafters, make_tokenizer):
     assert all(n <= block_size for n in events[-1].stats.acceptance_lengths)
 
     baseline, base_events = run(model, make_tokenizer(eos_ids), prompt, None, max_tokens=max_tokens,
-                                stop_tokens=stop_tokens)
+                                stop_tokens=stop_tokens, prompt_lookup=False)
     assert baseline == expected, case
     assert set(base_events[-1].stats.acceptance_lengths) <= {1}
+
+    # Prompt lookup alone, at this block size and with `auto`.
+    for size in (block_size, "auto"):
+        looked_up, lookup_events = run(model, make_tokenizer(eos_ids), prompt, None, max_tokens=max_tokens,
+                                       stop_tokens=stop_tokens, block_size=size)
+        assert looked_up == expected, (case, size)
+        check_events(lookup_events, looked_up, max_tokens)
 
 
 @pytest.mark.parametrize("index", [1, 3, 6])

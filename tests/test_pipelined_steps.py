@@ -154,7 +154,7 @@ def test_a_draft_after_plain_steps_is_charged_for_the_backlog_it_injects(targets
             super().__init__(1)
             self.sizes, self.records = list(sizes), []
 
-        def choose(self, limit, position):
+        def choose(self, limit, position, offers=None):
             return self.sizes.pop(0)
 
         def promise_plain(self):

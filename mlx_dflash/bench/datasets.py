@@ -1,4 +1,15 @@
-"""Benchmark prompts: the DFlash paper's five evaluation sets, worded as its reference benchmark words them.
+"""Benchmark prompts: the DFlash paper's five evaluation sets, worded as its reference benchmark words them,
+and four input-grounded sets, where a good reply copies much of its prompt (what prompt lookup is built for).
+
+Paper sets: gsm8k, math500, humaneval, mbpp, mt-bench.
+Input-grounded sets:
+- code-comment-humaneval: comment a HumanEval function (prompt + canonical solution), replying with the whole code;
+- code-rename-mbpp: rename the tested function of an MBPP test-split solution everywhere, replying with the code;
+- summary-sharegpt: summarise a ShareGPT reply, reusing its wording;
+- passage-qa: quote, from a ShareGPT reply, the paragraph that begins with given words, then explain it.
+The two ShareGPT sets take each conversation's first `gpt` reply of 400-2000 characters (ids: the ShareGPT `id`).
+ShareGPT is the training set of the shipped drafter: these two sets reuse its training text, which is fine
+for measuring lookup but biases DFlash's acceptance upwards.
 
 Each set is read from a local directory (`data_dir`, the file names of `../shared/data`)
 or, without one, downloaded from the Hugging Face Hub under its official dataset id.
@@ -8,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +33,20 @@ HUMANEVAL = (
     "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{prompt}\n```"
 )
 MBPP_TEST_IDS = range(11, 511)  # the sanitized set's test split
+CODE_COMMENT = (
+    "Add comments to the following code that explain what each step does, without changing any of its code. "
+    "Reply with the whole code, comments included, in one ```python block.\n```python\n{code}```"
+)
+CODE_RENAME = (
+    "Rename the function `{old}` to `{new}` in the following code: its definition and every use of it. "
+    "Change nothing else and reply with the whole code in one ```python block.\n```python\n{code}\n```"
+)
+SUMMARY = "Summarise the following text in a few sentences, reusing its own wording where you can:\n\n{text}"
+PASSAGE_QA = (
+    "Answer from the passage below.\n\nPassage:\n{text}\n\nQuestion: what does the passage say in the paragraph "
+    'that begins "{cue}"? Quote that paragraph word for word, then explain it in one sentence.'
+)
+PASSAGE_CHARS = range(400, 2001)  # length of the ShareGPT replies used as passages
 
 
 @dataclass(frozen=True)
@@ -62,20 +88,65 @@ def _mt_bench(r: dict, i: int) -> tuple[str, tuple[str, ...]]:
     return str(r.get("question_id", i)), tuple(turns)
 
 
+def _code_comment(r: dict, i: int) -> tuple[str, tuple[str, ...]]:
+    return str(r["task_id"]), (CODE_COMMENT.format(code=r["prompt"] + r["canonical_solution"].rstrip("\n") + "\n"),)
+
+
+def _code_rename(r: dict, i: int) -> tuple[str, tuple[str, ...]] | None:
+    """Renames the function the tests call (else the first one defined) to NAME_v2."""
+    names = re.findall(r"^def\s+(\w+)\s*\(", r["code"], re.M)
+    if int(r["task_id"]) not in MBPP_TEST_IDS or not names:
+        return None
+    tests = " ".join(r.get("test_list") or ())
+    old = next((n for n in names if re.search(rf"\b{n}\s*\(", tests)), names[0])
+    return str(r["task_id"]), (CODE_RENAME.format(old=old, new=old + "_v2", code=r["code"].strip()),)
+
+
+def _sharegpt_passage(r: dict) -> str | None:
+    """The first `gpt` reply of a ShareGPT conversation whose length is in PASSAGE_CHARS."""
+    for turn in r.get("conversations") or ():
+        text = turn.get("value") if isinstance(turn, dict) else None
+        if isinstance(text, str) and turn.get("from") == "gpt" and len(text.strip()) in PASSAGE_CHARS:
+            return text.strip()
+    return None
+
+
+def _summary(r: dict, i: int) -> tuple[str, tuple[str, ...]] | None:
+    text = _sharegpt_passage(r)
+    return (str(r["id"]), (SUMMARY.format(text=text),)) if text else None
+
+
+def _passage_qa(r: dict, i: int) -> tuple[str, tuple[str, ...]] | None:
+    """Asks for the passage's longest paragraph by its first six words (skipped when short or ambiguous)."""
+    text = _sharegpt_passage(r)
+    if not text:
+        return None
+    words = max(text.splitlines(), key=len).split()
+    cue = " ".join(words[:6])
+    if len(words) < 12 or text.count(cue) != 1:
+        return None
+    return str(r["id"]), (PASSAGE_QA.format(text=text, cue=cue),)
+
+
+HUMANEVAL_SOURCE = Source("humaneval.jsonl.gz", "openai/openai_humaneval", ("openai_humaneval/test-*.parquet",))
+MBPP_SOURCE = Source("mbpp_sanitized.json", "google-research-datasets/mbpp", ("sanitized/test-*.parquet",))
+SHAREGPT_SOURCE = Source("sharegpt_en_train.jsonl.gz", "anon8231489123/ShareGPT_Vicuna_unfiltered",
+                         ("ShareGPT_V3_unfiltered_cleaned_split.json",))
+
 # name -> (where it lives, record -> (id, user turns) or None to skip the record)
 SOURCES: dict[str, tuple[Source, Callable]] = {
     "gsm8k": (Source("gsm8k_test.jsonl", "openai/gsm8k", ("main/test-*.parquet",)), _gsm8k),
     "math500": (Source("math500_test.jsonl", "HuggingFaceH4/MATH-500", ("test.jsonl",)), _math500),
-    "humaneval": (
-        Source("humaneval.jsonl.gz", "openai/openai_humaneval", ("openai_humaneval/test-*.parquet",)),
-        _humaneval,
-    ),
-    "mbpp": (Source("mbpp_sanitized.json", "google-research-datasets/mbpp", ("sanitized/test-*.parquet",)),
-             _mbpp),
+    "humaneval": (HUMANEVAL_SOURCE, _humaneval),
+    "mbpp": (MBPP_SOURCE, _mbpp),
     "mt-bench": (
         Source("mt_bench_questions.jsonl", "HuggingFaceH4/mt_bench_prompts", ("raw/question.jsonl",)),
         _mt_bench,
     ),
+    "code-comment-humaneval": (HUMANEVAL_SOURCE, _code_comment),
+    "code-rename-mbpp": (MBPP_SOURCE, _code_rename),
+    "summary-sharegpt": (SHAREGPT_SOURCE, _summary),
+    "passage-qa": (SHAREGPT_SOURCE, _passage_qa),
 }
 DATASETS = tuple(SOURCES)
 
@@ -133,7 +204,7 @@ def load_prompts(
     cache_dir: str | Path | None = None,
     local_files_only: bool = False,
 ) -> list[Prompt]:
-    """Prompts of a named set (gsm8k, math500, humaneval, mbpp, mt-bench) or of a FILE.
+    """Prompts of a named set (see DATASETS) or of a FILE.
 
     A FILE is .jsonl/.json (records with `turns`, `prompt`, `question` or `problem`) or
     .txt (one prompt per line).

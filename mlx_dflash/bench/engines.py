@@ -2,7 +2,7 @@
 
 `MlxLmEngine` is mlx-lm's own `stream_generate` (the baseline people know);
 `DFlashEngine` is ours, with a drafter (DFlash) or without one (the engine's overhead),
-at a fixed block size or `auto`. It times the loop users run; `profile=True` adds a
+with or without prompt lookup, at a fixed block size or `auto`. It times the loop users run; `profile=True` adds a
 host sync per cycle to split draft and verify time (a separate, opt-in measurement).
 """
 
@@ -38,6 +38,7 @@ class Run:
     block_sizes: list[int] = field(default_factory=list)  # each cycle's block size
     predicted_tokens: float = 0.0  # `auto`: the cost model's expectation over its cycles
     predicted_seconds: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens kept, per source
 
 
 class Engine(Protocol):
@@ -89,11 +90,12 @@ class DFlashEngine:
 
     def __init__(self, model: nn.Module, tokenizer: Any, drafter: DFlashDraftModel | Callable | Any | None,
                  block_size: int | str | None = None, name: str | None = None, *, calibration: Any = None,
-                 profile: bool = False):
-        self.model, self.tokenizer, self.drafter = model, tokenizer, drafter
-        self.block_size = (block_size or AUTO) if drafter is not None else None
+                 profile: bool = False, lookup: bool = False):
+        self.model, self.tokenizer, self.drafter, self.lookup = model, tokenizer, drafter, lookup
+        self.block_size = (block_size or AUTO) if drafter is not None or lookup else None
         label = self.block_size if self.block_size == AUTO else f"b{self.block_size}"
-        self.name = name or (f"dflash-{label}" if drafter is not None else "target")
+        kind = "+".join(["dflash"] * (drafter is not None) + ["lookup"] * lookup)
+        self.name = name or (f"{kind}-{label}" if kind else "target")
         self.calibration, self.profile = calibration, profile
         self.policy: Any = None
 
@@ -102,7 +104,8 @@ class DFlashEngine:
         if callable(drafter) and not isinstance(drafter, nn.Module):
             drafter = drafter(prompt_ids, max_tokens)
         if self.block_size == AUTO and self.policy is None:
-            self.policy = make_policy(AUTO, check_block_size(None, drafter), self.calibration)
+            self.policy = make_policy(AUTO, check_block_size(None, drafter, lookup=self.lookup), self.calibration,
+                                      drafter=drafter is not None, lookup=self.lookup)
         mx.reset_peak_memory()
         tokens: list[int] = []
         event, first = None, None
@@ -110,7 +113,7 @@ class DFlashEngine:
         for event in stream_generate(
             self.model, self.tokenizer, prompt_ids, draft_model=drafter, max_tokens=max_tokens,
             temp=temp, seed=seed, block_size=self.block_size, profile=self.profile and drafter is not None,
-            policy=self.policy,
+            policy=self.policy, prompt_lookup=self.lookup,
         ):
             if first is None:
                 first = time.perf_counter()
@@ -122,8 +125,9 @@ class DFlashEngine:
         return Run(
             tokens, len(prompt_ids), first - start, end - first, mx.get_peak_memory() / 1e9,
             event.finish_reason if event is not None else None,
-            list(stats.acceptance_lengths) if stats is not None and self.drafter is not None else [],
+            list(stats.acceptance_lengths) if stats is not None and (self.drafter is not None or self.lookup) else [],
             timings.get("draft", 0.0), timings.get("verify", 0.0),
-            list(stats.block_sizes) if stats is not None and self.drafter is not None else [],
+            list(stats.block_sizes) if stats is not None and (self.drafter is not None or self.lookup) else [],
             stats.predicted_tokens if stats is not None else 0.0, stats.predicted_seconds if stats is not None else 0.0,
+            dict(stats.accepted_by_source) if stats is not None else {},
         )

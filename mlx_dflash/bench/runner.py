@@ -57,6 +57,7 @@ class Record:
     block_size_histogram: dict[int, int] = field(default_factory=dict)  # cycles per block size
     predicted_tokens: float = 0.0  # `auto`: the cost model's expectation, summed over its cycles
     predicted_seconds: float = 0.0
+    accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens kept: dflash, lookup
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -110,6 +111,7 @@ def _record(prompt: Prompt, turn: int, context: int | None, repeat: int, engine:
         len(run.tokens), run.ttft_s, run.decode_s, decoded / run.decode_s if run.decode_s > 0 else 0.0,
         run.peak_memory_gb, run.finish_reason, run.acceptance_lengths, run.draft_s, run.verify_s, match, mismatch,
         dict(sorted(Counter(run.block_sizes).items())), run.predicted_tokens, run.predicted_seconds,
+        dict(run.accepted_by_source),
     )
 
 

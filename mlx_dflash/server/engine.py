@@ -17,6 +17,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..generate import GenerationStats, check_block_size, make_proposer, stream_session
+from ..lookup import PromptLookup
 from ..policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy, reproducible
 from ..sampling import make_sampler
 from ..session import DecodingSession
@@ -31,6 +32,7 @@ class EngineConfig:
     block_size: int | str = DEFAULT_BLOCK_SIZE  # "auto": chosen each cycle; an int: fixed
     prompt_cache_bytes: int = 4 << 30
     calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (mlx_dflash.calibration)
+    prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.lookup`)
 
 
 @dataclass
@@ -105,12 +107,15 @@ class Engine:
         self.tokenizer = tokenizer
         self.drafter = drafter
         self.config = config or EngineConfig()
-        self.max_block_size = check_block_size(None, drafter)
+        lookup = self.config.prompt_lookup
+        self.max_block_size = check_block_size(None, drafter, lookup=lookup)
         size = self.config.block_size
-        self.block_size = size if size == AUTO or drafter is None else check_block_size(int(size), drafter)
+        if drafter is None and not lookup:
+            size = 1
+        self.block_size = size if size == AUTO else check_block_size(int(size), drafter, lookup=lookup)
         # One policy for every request: what pays on this machine holds across them.
-        self.policy = make_policy(self.block_size if drafter is not None else 1, self.max_block_size,
-                                  self.config.calibration)
+        self.policy = make_policy(self.block_size, self.max_block_size, self.config.calibration,
+                                  drafter=drafter is not None, lookup=lookup)
         self.max_context = getattr(self.target.args, "max_position_embeddings", None)
         self.stop_ids = set(tokenizer.eos_token_ids)
         self.prompt_cache = PromptCache(self.config.prompt_cache_bytes, self._new_session)
@@ -120,7 +125,8 @@ class Engine:
         self.busy = False
 
     def _new_session(self) -> DecodingSession:
-        return DecodingSession(self.target, make_proposer(self.target, self.drafter, self.max_block_size))
+        return DecodingSession(self.target, make_proposer(self.target, self.drafter, self.max_block_size),
+                               lookup=PromptLookup() if self.config.prompt_lookup else None)
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:

@@ -186,8 +186,13 @@ def _finish_reason(finished: Finished, tool_calls: bool) -> str:
 
 def _usage(state: ServerState, request: GenerationRequest, finished: Finished) -> dict:
     prompt, completion, cached = usage_numbers(request, finished)
+    accepted = sum(finished.stats.accepted_by_source.values())
+    rejected = sum(finished.stats.proposed_by_source.values()) - accepted
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "prompt_tokens_details": {"cached_tokens": cached},
+            # Tokens proposed (drafted or looked up) that verification kept or discarded.
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": rejected}}
 
 
 class _LogprobFormat:

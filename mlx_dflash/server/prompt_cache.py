@@ -50,6 +50,7 @@ def clone_session(session: DecodingSession) -> DecodingSession | None:
             setattr(clone, name, list(value))
     clone.cache = [copy_cache(c) for c in session.cache]
     clone.proposer = proposer
+    clone.lookup = session.lookup.copy() if session.lookup is not None else None
     return clone
 
 

@@ -118,11 +118,14 @@ def dflash_extension(state: ServerState, finished: Finished) -> dict:
     stats = finished.stats
     return {
         "drafter": state.engine.drafter is not None,
+        "prompt_lookup": state.engine.config.prompt_lookup,
         "block_size": state.engine.block_size,
         "tau": round(stats.tau, 4),
         "cycles": stats.cycles,
         "plain_cycles": stats.plain_cycles,
         "acceptance_histogram": stats.histogram,
+        "accepted_by_source": stats.accepted_by_source,
+        "proposed_by_source": stats.proposed_by_source,
         "cached_prompt_tokens": finished.cached_tokens,
         "prefill_seconds": round(stats.prefill_time, 4),
         "decode_seconds": round(stats.decode_time, 4),
