@@ -20,9 +20,9 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .calibration import cache_file, calibration_key
+from .cycle_model import AcceptanceModel
 from .files import write_json_atomic
 from .generate import check_block_size
-from .policy import AcceptanceModel
 from .target import as_target
 
 VERSION = 1

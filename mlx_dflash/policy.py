@@ -32,11 +32,12 @@ Each proposal source (the DFlash drafter, prompt lookup: `lookup.py`) keeps its 
 acceptance and costs; plain steps are priced for all alike. Each cycle takes the source and
 size with the best E[L] / t(L) among the sources that can propose now. Prompt lookup is
 never probed: what its proposal would have done is read off every cycle's committed tokens
-(`shadow`), so its estimate costs nothing to keep fresh. When a plain step is best by a margin and
-no probe can come next, `promise_plain` lets the session launch the next plain step
-before this one is read (`session.py`); the promise binds the next choice.
-The per-cycle work is a few dozen float operations on Python numbers: no array work,
-no host sync.
+(`shadow`), so its estimate costs nothing to keep fresh.
+
+When a plain step is best by a margin, whatever any source might propose, and no probe can
+come next, `promise_plain` lets the session launch the next plain step before this one is
+read (`session.py`); the promise binds the next choice. The per-cycle work is a few dozen
+float operations on Python numbers: no array work, no host sync.
 """
 
 from __future__ import annotations
@@ -45,8 +46,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from .cycle_model import AcceptanceModel, CostModel, Source, generic_cost, verify_cost
 from .errors import DFlashError
 from .lookup import LOOKUP
+
+__all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DFLASH", "LOOKUP_BLOCK", "AcceptanceModel", "AutoBlockSize",
+           "BlockSizePolicy", "CostModel", "FixedBlockSize", "Source", "candidate_sizes", "generic_cost",
+           "make_policy", "parse_block_size", "reproducible", "verify_cost"]
 
 AUTO = "auto"
 DEFAULT_BLOCK_SIZE = AUTO  # the one default of chat, generate, bench, the API and the server
@@ -154,152 +160,12 @@ def make_policy(block_size: int | str, max_block: int, calibration: Any = None, 
 
 def reproducible(policy: BlockSizePolicy, max_block: int, seed: int | None, temp: float) -> BlockSizePolicy:
     """`policy`, or the fixed block of `max_block` for a seeded sample: a seed repeats a sample
-    only if every run verifies blocks of the same sizes, which a timing-driven choice does not."""
+    only if every run verifies blocks of the same sizes, which a timing-driven choice does not.
+    Prompt lookup alone then takes plain steps (a fixed wide verify of every match costs more
+    than it saves wherever the text is not copied)."""
     if seed is None or temp <= 0 or isinstance(policy, FixedBlockSize):
         return policy
-    return FixedBlockSize(max_block)
-
-
-@dataclass
-class AcceptanceModel:
-    """Per draft position k: decayed counts of 'reached' and 'accepted'."""
-
-    depth: int  # draft positions (max block - 1)
-    memory: float = 12.0  # observations of a position after which old ones weigh 1/e
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-    _odds: float = 1.0  # how likely, under the estimate, the current run of surprising first positions is
-
-    PRIOR = 0.6  # the first position's estimate before any evidence, worth one observation
-    CHAIN = 4.0  # observations a deeper position's prior (the positions before it, pooled) is worth
-    CHANGED = 0.01  # a run of first-position outcomes this unlikely: the text changed
-
-    def __post_init__(self) -> None:
-        self.reached = self.reached or [0.0] * self.depth
-        self.accepted = self.accepted or [0.0] * self.depth
-
-    @property
-    def evidence(self) -> float:
-        """Observations of the first position (0: nothing known of the drafter)."""
-        return self.reached[0] if self.depth else 0.0
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        """A verify of `drafted` draft tokens accepted the first `accepted` of them."""
-        if drafted < 1 or self.depth < 1:
-            return
-        p, hit = self.rates()[0], accepted > 0
-        self._odds = self._odds * (p if hit else 1.0 - p) if hit != (p >= 0.5) else 1.0
-        if self._odds < self.CHANGED:  # deeper positions were measured on the old text too
-            self.forget(self.CHAIN)
-            self.reached[1:] = [0.0] * (self.depth - 1)
-            self.accepted[1:] = [0.0] * (self.depth - 1)
-        keep = 1.0 - 1.0 / self.memory
-        for k in range(min(accepted + 1, drafted, self.depth)):
-            self.reached[k] = keep * self.reached[k] + 1.0
-            self.accepted[k] = keep * self.accepted[k] + (k < accepted)
-
-    def forget(self, weight: float) -> None:
-        """Keep every estimate but let it weigh at most `weight` observations."""
-        scale = min(1.0, weight / max(max(self.reached, default=0.0), 1e-9))
-        self.reached = [r * scale for r in self.reached]
-        self.accepted = [a * scale for a in self.accepted]
-        self._odds = 1.0
-
-    def rates(self) -> list[float]:
-        """Estimated acceptance per position: its own counts over a prior worth `CHAIN`
-        observations, the pooled estimate of the positions before it (drafters are about
-        as good a few positions on; a deep position, reached rarely, takes their word)."""
-        out, pooled_a, pooled_r = [], self.PRIOR, 1.0
-        for k, (r, a) in enumerate(zip(self.reached, self.accepted, strict=True)):
-            weight = self.CHAIN if k else 1.0
-            out.append((a + weight * pooled_a / pooled_r) / (r + weight))
-            pooled_a, pooled_r = pooled_a + a, pooled_r + r
-        return out
-
-    def expected_tokens(self) -> list[float]:
-        """E[committed tokens | block L] for L = 0..depth + 1 (index L; E[0] unused)."""
-        out, total, reach = [0.0, 1.0], 1.0, 1.0
-        for p in self.rates():
-            reach *= p
-            total += reach
-            out.append(total)
-        return out
-
-
-def generic_cost(size: int) -> float:
-    """Cost shape (in plain-step units) used before a size is calibrated or measured: a Mac's,
-    where a verify of 16 tokens costs little more than a plain step and a draft pass ~0.3."""
-    return 1.0 if size == 1 else 1.3 + 0.02 * (size - 1)
-
-
-def verify_cost(size: int) -> float:
-    """The same shape without a draft pass (prompt lookup's cycles)."""
-    return 1.0 + 0.02 * (size - 1)
-
-
-@dataclass
-class CostModel:
-    """Seconds per cycle of each block size: base(L, position) x a measured correction per size.
-
-    A size not measured lately (or never) takes the correction of the nearest sizes measured
-    lately: the machine's load changes every size's cost, not only the ones in use.
-    """
-
-    base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
-    unit: float | None = None  # uncalibrated: seconds per `generic_cost` unit, from the first cycle
-    ratio: dict[int, float] = field(default_factory=dict)  # L -> measured / base, smoothed
-    last: dict[int, float] = field(default_factory=dict)  # L -> its last measured ratio
-    updated: dict[int, int] = field(default_factory=dict)  # L -> `observations` at its last measurement
-    observations: int = 0
-    shape: Any = generic_cost  # L -> plain-step units, for sizes not calibrated
-
-    STALE = 32  # observations of other sizes after which a size's own correction gives way
-
-    def base_seconds(self, size: int, position: int) -> float | None:
-        if size in self.base:
-            a, b = self.base[size]
-            return max(a + b * position, 1e-6)
-        if 1 in self.base:
-            return self.base_seconds(1, position) * self.shape(size)
-        return self.unit * self.shape(size) if self.unit else None
-
-    def predict(self, size: int, position: int) -> float:
-        """Expected seconds of a cycle of `size` (0.0: no opinion yet)."""
-        base = self.base_seconds(size, position)
-        return 0.0 if base is None else base * self._ratio_for(size)
-
-    def _ratio_for(self, size: int) -> float:
-        fresh = {L: r for L, r in self.ratio.items() if self.observations - self.updated[L] <= self.STALE}
-        if size in fresh or not fresh:
-            return fresh.get(size, self.ratio.get(size, 1.0))
-        below = max((L for L in fresh if L < size), default=None)
-        above = min((L for L in fresh if L > size), default=None)
-        if below is None or above is None:
-            return fresh[below if above is None else above]
-        t = (size - below) / (above - below)
-        return fresh[below] + t * (fresh[above] - fresh[below])
-
-    def observe(self, size: int, position: int, seconds: float) -> None:
-        if self.base_seconds(size, position) is None:
-            self.unit = seconds / self.shape(size)
-        measured = seconds / self.base_seconds(size, position)
-        if not self.ratio:
-            self.ratio[size] = measured
-        else:  # other work only adds time: one slow cycle moves a price little, two in a row more
-            old = self._ratio_for(size)
-            clipped = min(measured, 1.25 * old, max(self.last.get(size, old), old))
-            self.ratio[size] = old + 0.25 * (clipped - old) if clipped > old else clipped
-        self.last[size] = measured
-        self.observations += 1
-        self.updated[size] = self.observations
-
-
-@dataclass
-class Source:
-    """What `auto` knows of one proposal source: its acceptance and its cycles' costs."""
-
-    acceptance: AcceptanceModel
-    costs: CostModel
+    return FixedBlockSize(max_block if DFLASH in getattr(policy, "sources", {DFLASH: None}) else 1)
 
 
 @dataclass
@@ -367,8 +233,7 @@ class AutoBlockSize:
         self.probing, self.source = False, DFLASH if DFLASH in offers else next(iter(self.sources))
         size, rate = 1, None  # the choice and its expected tokens per second
         if limit > 1 and not self._promised and DFLASH in offers:
-            size = self._choose_drafted(position)
-            rate = self._best_rate if self.probing else self.scores(position, DFLASH)[size]
+            size, rate = self._choose_drafted(position)
         for name in sorted(offers.keys() - {DFLASH}) if limit > 1 and not self._promised else []:
             scores = self.scores(position, name)  # judged by its shadowed record: never probed
             best = max((L for L in self.sizes if L <= offers[name] + 1), key=scores.__getitem__)
@@ -382,19 +247,20 @@ class AutoBlockSize:
         self.prediction = (expected, seconds + self.overhead) if seconds else None
         return size
 
-    def _choose_drafted(self, position: int) -> int:
-        """The drafter's best size (or a probe of a neighbour, or 1)."""
-        if self.acceptance.evidence == 0:
-            return self.sizes[-1]  # nothing known of the drafter: the widest block measures every position
+    def _choose_drafted(self, position: int) -> tuple[int, float]:
+        """The drafter's best size (or a probe of a neighbour, or 1) and the best size's expected rate."""
+        scores = self.scores(position, DFLASH)
+        if self.acceptance.evidence == 0:  # nothing known of the drafter: the widest block measures every position
+            return self.sizes[-1], scores[self.sizes[-1]]
         costs = self.sources[DFLASH].costs
         if not costs.base and 1 not in costs.ratio and self.acceptance.rates()[0] < 0.5:
-            return 1  # uncalibrated, and the drafter looks weak: learn what a plain step costs
-        scores = self.scores(position, DFLASH)
+            return 1, scores[1]  # uncalibrated, and the drafter looks weak: learn what a plain step costs
         size = max(self.sizes, key=scores.__getitem__)
+        rate = scores[size]
         probe = self._probe(size, scores, position, 0.0)
         if probe is not None:
-            size, self.probing, self._best_rate = probe[0], True, scores[size]
-        return size
+            size, self.probing, self._best_rate = probe[0], True, rate
+        return size, rate
 
     def _probe(self, best: int, scores: dict[int, float], position: int, earned: float) -> tuple[int, float] | None:
         """The neighbour of `best` to probe now and what it is expected to lose; None: no probe

@@ -51,6 +51,12 @@ def test_generate_without_model_uses_the_embedded_pair(embedded):
     assert {k: default[k] for k in same} == {k: explicit[k] for k in same}
     plain = _generate("--no-draft")
     assert plain["draft"] is False and plain["token_ids"] == default["token_ids"]
+    assert default["prompt_lookup"] is True and plain["prompt_lookup"] is False  # --no-draft: the target alone
+    assert set(plain["block_size_histogram"]) == {"1"} and plain["accepted_by_source"] == {}
+    looked_up = _generate("--no-draft", "--lookup")
+    assert looked_up["prompt_lookup"] is True and looked_up["token_ids"] == default["token_ids"]
+    assert set(looked_up["accepted_by_source"]) <= {"lookup"}
+    assert _generate("--no-lookup")["prompt_lookup"] is False
 
 
 def test_bench_without_model_uses_the_embedded_pair(embedded, tmp_path):

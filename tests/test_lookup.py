@@ -277,3 +277,49 @@ def test_stats_say_which_source_proposed_each_accepted_token():
     assert set(by_event) == {DFLASH, LOOKUP}
     for source, n in stats.accepted_by_source.items():
         assert n <= stats.proposed_by_source[source]
+
+
+def test_a_seeded_sample_repeats_with_lookup_on():
+    """A seed fixes the verify widths (no timing-driven choice), so it repeats the sample."""
+    model = build("qwen3", seed=1)
+    drafter = tiny_drafter(model, block_size=8)
+    prompt = [(5 * i + 2) % VOCAB for i in range(16)] * 2
+    for draft in (None, drafter):
+        runs = [[t for e in mlx_dflash.stream_generate(model, FakeTokenizer(eos_token_ids=()), prompt,
+                                                       draft_model=draft, temp=1.0, seed=3, max_tokens=30)
+                 for t in e.tokens] for _ in range(2)]
+        assert runs[0] == runs[1]
+
+
+def simulate(p_drafter: float, p_lookup: float, match_rate: float, cycles: int = 400, seed: int = 0) -> dict:
+    """`auto` with both sources in a Mac-like regime (a draft pass 0.3 plain steps, a verify of L
+    tokens 1 + 0.015 L): per-position acceptance p for each source, a lookup match at
+    `match_rate` of the cycles. Returns the chosen sources' cycle counts and tokens per second."""
+    rng = np.random.default_rng(seed)
+    verify = lambda L: 1.0 + 0.015 * L  # noqa: E731
+    policy = AutoBlockSize(16, lookup=True)
+    policy.begin()
+    chosen, tokens, seconds = {DFLASH: 0, LOOKUP: 0, None: 0}, 0, 0.0
+    for _ in range(cycles):
+        offers = {DFLASH: 15, **({LOOKUP: 15} if rng.random() < match_rate else {})}
+        size = policy.choose(10**6, 100, offers)
+        source = policy.source if size > 1 else None
+        p = p_lookup if source == LOOKUP else p_drafter
+        accepted = int(np.argmin(np.append(rng.random(size - 1) < p, False))) if size > 1 else 0
+        cost = 0.01 * (verify(size) + (0.3 if source == DFLASH else 0.0)) if size > 1 else 0.01
+        policy.record(size, accepted, cost)
+        if LOOKUP in offers and source != LOOKUP:  # what the lookup's proposal would have had accepted
+            seen = accepted + 1
+            policy.shadow(LOOKUP, seen, int(np.argmin(np.append(rng.random(seen) < p_lookup, False))))
+        chosen[source] += 1
+        tokens, seconds = tokens + accepted + 1, seconds + cost
+    return {"chosen": chosen, "tps": tokens / seconds}
+
+
+def test_auto_keeps_a_strong_drafter_and_takes_a_lookup_that_copies():
+    strong = simulate(p_drafter=0.95, p_lookup=0.3, match_rate=0.6)
+    assert strong["chosen"][DFLASH] >= 0.97 * 400  # a poor lookup does not displace a strong drafter
+    copying = simulate(p_drafter=0.3, p_lookup=0.97, match_rate=0.6)
+    assert copying["chosen"][LOOKUP] >= 0.9 * 0.6 * 400  # nearly every match of a copying lookup is verified
+    weak = simulate(p_drafter=0.95, p_lookup=0.0, match_rate=1.0)
+    assert weak["chosen"][LOOKUP] <= 4  # a lookup that is never right is (nearly) never verified

@@ -62,8 +62,16 @@ def test_chat_greedy_equals_target_alone_and_generate(pair, client):
     assert reply.usage.completion_tokens == len(expected)
     assert reply.usage.total_tokens == len(prompt) + len(expected)
     extension = reply.model_extra["dflash"]
-    assert extension["drafter"] is True and extension["cycles"] >= 1
+    assert extension["drafter"] is True and extension["cycles"] >= 1 and extension["prompt_lookup"] is True
     assert sum(extension["acceptance_histogram"]) == extension["cycles"]
+    # Proposed tokens kept or discarded, in total and per source.
+    details = reply.usage.completion_tokens_details
+    accepted, proposed = extension["accepted_by_source"], extension["proposed_by_source"]
+    assert details.accepted_prediction_tokens == sum(accepted.values()) < len(expected)
+    assert details.rejected_prediction_tokens == sum(proposed.values()) - sum(accepted.values())
+    assert set(proposed) <= {"dflash", "lookup"}
+    histogram = extension["acceptance_histogram"]  # cycles by tokens committed: accepted + 1
+    assert sum(n * count for n, count in enumerate(histogram)) - extension["cycles"] == sum(accepted.values())
 
 
 def test_chat_stream_matches_and_reports_usage(pair, client):
