@@ -132,6 +132,10 @@ class CostModel:
         measured = seconds / self.base_seconds(size, position)
         if not self.ratio:
             self.ratio[size] = measured
+        elif size not in self.base and size not in self.last:
+            # A guessed price (the generic shape, or a neighbour's correction): its first measurement
+            # replaces it, up to twice the guess (a first cycle may include one-off setup).
+            self.ratio[size] = min(measured, 2.0 * self._ratio_for(size))
         else:  # other work only adds time: one slow cycle moves a price little, two in a row more
             old = self._ratio_for(size)
             clipped = min(measured, 1.25 * old, max(self.last.get(size, old), old))
