@@ -281,15 +281,14 @@ class AutoBlockSize:
     def promise_plain(self) -> bool:
         if self.probing or self._promised:
             return False
-        for name in self.sources:
-            scores = self.scores(self._position, name)
-            if any(scores[L] >= 0.95 * scores[1] for L in self.sizes if L > 1):
-                return False  # a near tie: this cycle's measurement may change the choice
+        scores = {name: self.scores(self._position, name) for name in self.sources}
+        if any(by_size[L] >= 0.95 * by_size[1] for by_size in scores.values() for L in self.sizes if L > 1):
+            return False  # a near tie: this cycle's measurement may change the choice
         self._promised = True
         if DFLASH in self.sources:  # unless the drafter's next cycle may be a probe
             self._since_probe += 1  # as the next cycle will see it
             earned = self.probe_share * self.sources[DFLASH].costs.predict(1, self._position)
-            self._promised = self._probe(1, self.scores(self._position, DFLASH), self._position, earned) is None
+            self._promised = self._probe(1, scores[DFLASH], self._position, earned) is None
             self._since_probe -= 1
         return self._promised
 
