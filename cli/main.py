@@ -11,7 +11,16 @@ from .app import app, err_console, fail, set_rank_prefix
 
 
 def _register() -> None:
-    from . import bench_cmd, chat_cmd, convert_cmd, generate_cmd, models_cmd, serve_cmd, train_cmd  # noqa: F401
+    from . import (  # noqa: F401
+        bench_cmd,
+        chat_cmd,
+        convert_cmd,
+        doctor_cmd,
+        generate_cmd,
+        models_cmd,
+        serve_cmd,
+        train_cmd,  # noqa: F401
+    )
     from . import calibrate_cmd as calibrate_cmd  # noqa: F401
 
 

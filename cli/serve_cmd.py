@@ -40,7 +40,7 @@ def serve(
     block_size: Annotated[str | None, typer.Option("--block-size", help="'auto' (default: chosen each cycle for the most tokens per second) or a fixed number of tokens per draft block.")] = None,
     max_tokens_default: Annotated[int, typer.Option("--max-tokens-default", min=1, help="Reply length when a request gives no max_tokens.")] = 512,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature when a request gives none (0: greedy).")] = 0.0,
-    prompt_cache_bytes: Annotated[int, typer.Option("--prompt-cache-bytes", min=0, help="Memory for caches kept across requests (0: no prompt cache).")] = 4 << 30,
+    prompt_cache_bytes: Annotated[int | None, typer.Option("--prompt-cache-bytes", min=0, help="Memory for caches kept across requests (0: no prompt cache; default: a quarter of the memory the models leave free, 256 MiB to 16 GiB).")] = None,
     served_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients use (default: --model as given).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
     quantize: Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target (see --q-bits).")] = False,

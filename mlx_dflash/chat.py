@@ -29,6 +29,7 @@ from .generate import (
 )
 from .lookup import PromptLookup
 from .policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
+from .runtime import wired_limit
 from .session import DecodingSession
 from .stream_guard import guarded
 from .target import TargetModel, as_target
@@ -240,7 +241,7 @@ class ChatEngine:
         """
         self._stop_requested = False
         messages = self.conversation() + [{"role": "user", "content": text}]
-        full = self.render(messages)
+        full = self.target.agree_tokens(self.render(messages))  # distributed: rank 0's rendering on every rank
         room = (self.max_context - len(full)) if self.max_context else None
         if room is not None and room < 1:
             raise ContextOverflowError(
@@ -265,7 +266,7 @@ class ChatEngine:
             nonlocal reply
             reply = self._finish_turn(generated, finish, keep_partial, reused, consistent)
 
-        with guarded(stream, store) as events:
+        with wired_limit([self.target.model, self.draft_model]), guarded(stream, store) as events:
             for event in events:
                 split = event.num_draft_accepted
                 draft_text = pieces.add(event.tokens[:split])

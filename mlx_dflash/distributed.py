@@ -1,13 +1,14 @@
-"""DFlash across machines: the target tensor-parallel over `mx.distributed`, the drafter replicated.
+"""DFlash across machines: the target tensor-parallel over `mx.distributed`, rank 0 drafting.
 
 Started by `mlx.launch` (ring, JACCL or MPI), every rank runs the same decode loop on
-its shard of the target (mlx-lm's `Model.shard`). After each sharded layer's
-all-reduce the residual stream is the same on every rank, so every rank captures the
-same features and drafts the same block. But a backend's floating-point all-reduce
-need not be bit-identical on every rank, and one differing token would silently
-desynchronise the shards' caches. So rank 0 decides: the verify inputs and the
-target's chosen tokens are broadcast from rank 0 (one small all-reduce each per
-cycle) and every rank commits exactly rank 0's tokens, sampled ones included.
+its shard of the target (mlx-lm's `Model.shard`), after checking at start-up that every
+rank runs the same packages and model files (`rank_agreement`). A backend's
+floating-point all-reduce need not be bit-identical on every rank, and one differing
+token would silently desynchronise the shards' caches. So rank 0 decides: the prompt's
+ids, the verify inputs and the target's chosen tokens are broadcast from rank 0 (one
+small all-reduce each per cycle) and every rank commits exactly rank 0's tokens, sampled
+ones included. The other ranks' drafts would be replaced anyway, so they do not draft
+(`rank_follower`), except where the draft logits are themselves a collective.
 """
 
 from __future__ import annotations
@@ -52,31 +53,38 @@ class Distributed:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def agree(self, x: mx.array) -> mx.array:
-        """Rank 0's value of `x` on every rank (lazy: an all-reduce of x masked to rank 0)."""
+    def agree(self, x: mx.array, root: int = 0) -> mx.array:
+        """Rank `root`'s value of `x` on every rank (lazy: an all-reduce of x masked to that rank)."""
         # Masked by multiplication, not replaced by zeros: the all-reduce must depend on x on every
         # rank, so that every rank issues its collectives in the same order when the graph runs.
-        mine = x * mx.array(1 if self.is_main else 0, dtype=x.dtype)
+        mine = x * mx.array(1 if self.rank == root else 0, dtype=x.dtype)
         return mx.distributed.all_sum(mine, group=self.group, stream=mx.cpu).astype(x.dtype)
 
     def barrier(self) -> None:
         mx.eval(mx.distributed.all_sum(mx.array(1.0), group=self.group, stream=mx.cpu))
 
-    def share_tokens(self, tokens: list[int] | None) -> list[int]:
-        """Rank 0's token list on every rank (the others pass anything, e.g. None)."""
+    def share_tokens(self, tokens: list[int] | None, root: int = 0) -> list[int]:
+        """Rank `root`'s token list on every rank (the others pass anything, e.g. None)."""
         start = time.perf_counter()
-        n = self.agree(mx.array([len(tokens) if self.is_main and tokens is not None else 0], dtype=mx.int32))
+        sender = self.rank == root
+        n = self.agree(mx.array([len(tokens) if sender and tokens is not None else 0], dtype=mx.int32), root)
         count = int(n.item())
-        data = mx.array(tokens if self.is_main and count else [0] * count, dtype=mx.int32)
-        out = self.agree(data).tolist() if count else []
+        data = mx.array(tokens if sender and count else [0] * count, dtype=mx.int32)
+        out = self.agree(data, root).tolist() if count else []
         self.comm_seconds += time.perf_counter() - start
         return out
 
-    def share_text(self, text: str | None) -> str | None:
-        """Rank 0's string (or None) on every rank: what rank 0 read from stdin, for example."""
+    def share_text(self, text: str | None, root: int = 0) -> str | None:
+        """Rank `root`'s string (or None) on every rank: what rank 0 read from stdin, for example."""
         encoded = None if text is None else [1, *text.encode("utf-8")]
-        shared = self.share_tokens(encoded)
+        shared = self.share_tokens(encoded, root)
         return bytes(shared[1:]).decode("utf-8") if shared else None
+
+    def gather_rows(self, row: list[int]) -> list[list[int]]:
+        """Every rank's `row` (of one length on every rank) on every rank, in rank order (one all-reduce)."""
+        table = mx.zeros((self.size, len(row)), dtype=mx.int32)
+        table[self.rank] = mx.array(row, dtype=mx.int32)
+        return mx.distributed.all_sum(table, group=self.group, stream=mx.cpu).tolist()
 
     def allreduce_seconds(self, rows: int, width: int, repeats: int = 8) -> float:
         """Measured time of one all-reduce of a (rows, width) float32 array (collective: every rank calls it)."""

@@ -16,6 +16,8 @@ from .errors import DFlashError
 from .lookup import PromptLookup
 from .policy import AUTO, LOOKUP_BLOCK, BlockSizePolicy, FixedBlockSize, make_policy, reproducible
 from .proposer2 import dflash_proposer
+from .rank_follower import follows_rank_zero, rank_follower
+from .runtime import generation_stream, wired_limit
 from .sampling import make_sampler
 from .session import Clock, DecodingSession
 from .speculative import DFlashProposer, Proposer
@@ -161,6 +163,13 @@ def make_proposer(
     block_size: int,
     draft_window: int | None = None,
 ) -> Proposer | None:
+    """The proposer the decode loop drafts with: a drafter's, a caller's own, or None.
+
+    Distributed, ranks other than 0 verify rank 0's blocks, so a drafter there is replaced by a
+    follower that drafts nothing (`rank_follower`); a caller's own proposer runs on every rank.
+    """
+    if isinstance(draft_model, (DFlashDraftModel, DFlashProposer)) and follows_rank_zero(target):
+        return rank_follower(draft_model, max_block_size=block_size, window=draft_window)
     if draft_model is None or isinstance(draft_model, DFlashProposer):
         return draft_model
     if isinstance(draft_model, DFlashDraftModel):
@@ -202,7 +211,8 @@ def stream_generate(
     only proposals (a fixed `block_size` then caps them).
     """
     target = as_target(model)
-    ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    # Distributed, every rank prefills rank 0's ids (tokenizers of other versions may split text otherwise).
+    ids = target.agree_tokens(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
     if not ids:
         raise DFlashError("the prompt is empty: give at least one token")
     if max_tokens < 0:
@@ -223,8 +233,9 @@ def stream_generate(
     policy = policy or reproducible(make_policy(AUTO if auto else block_size, block_size, calibration,
                                                 drafter=proposer is not None, lookup=prompt_lookup),
                                     block_size, seed, temp)
-    yield from stream_session(session, ids, sampler, max_tokens=max_tokens, stop=stop,
-                              detokenizer=tokenizer.detokenizer, profile=profile, policy=policy)
+    with wired_limit([target.model, draft_model]):
+        yield from stream_session(session, ids, sampler, max_tokens=max_tokens, stop=stop,
+                                  detokenizer=tokenizer.detokenizer, profile=profile, policy=policy)
 
 
 def stream_session(
@@ -253,7 +264,8 @@ def stream_session(
         return
     mx.reset_peak_memory()
     clock = Clock()
-    produced, accepted, source = [session.extend(list(new_tokens), sampler)], 0, None  # the prefill commits one
+    with mx.stream(generation_stream):  # mlx-lm's generation stream (`mlx_dflash.runtime`)
+        produced, accepted, source = [session.extend(list(new_tokens), sampler)], 0, None  # the prefill commits one
     rows = session.prefill_logprobs
     stats.prefill_time = clock.lap()
     policy.begin()
@@ -269,7 +281,8 @@ def stream_session(
                 detokenizer.add_token(token)
             if finish:
                 detokenizer.finalize()
-                session.settle()  # a step launched ahead for a cycle that will not come
+                with mx.stream(generation_stream):
+                    session.settle()  # a step launched ahead for a cycle that will not come
             stats.num_tokens += len(emitted)
             stats.decode_time += clock.lap()
             stats.peak_memory_gb = mx.get_peak_memory() / 1e9
@@ -278,13 +291,15 @@ def stream_session(
             if finish:
                 return
             # Never verify more positions than the remaining budget can use.
-            size, verified, kept = session.cycle(sampler, policy, max_tokens - stats.num_tokens, stop,
-                                                 stats.timings if profile else None)
+            with mx.stream(generation_stream):
+                size, verified, kept = session.cycle(sampler, policy, max_tokens - stats.num_tokens, stop,
+                                                     stats.timings if profile else None)
             produced, accepted, rows = verified.tokens[:kept], verified.num_accepted, verified.logprobs[:kept]
             source = verified.source
             stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction, source)
     finally:
-        session.settle()  # the consumer stopped iterating
+        with mx.stream(generation_stream):
+            session.settle()  # the consumer stopped iterating
 
 
 def generate(

@@ -87,7 +87,12 @@ class ContextInjector:
                     start = (2 * i + j) * rows
                     setattr(proj, name, stacked[start : start + rows])
         self.k_norm_weight = mx.stack([a.k_norm.weight for a in attns])
+        # Evaluated here (the slices are views): a lazy graph built on this thread could not be
+        # evaluated by another one, and sessions built here may be decoded on a server's worker.
+        mx.eval(self.k_norm_weight, [getattr(proj, name) for a in attns for proj in (a.k_proj, a.v_proj)
+                                     for name in _STACKED if name in proj])
         self.eps = attns[0].k_norm.eps
+        self.wide = False  # project the target's features in float32 (set when float16 overflowed)
 
     @classmethod
     def for_drafter(cls, drafter: DFlashDraftModel) -> ContextInjector:
@@ -112,7 +117,12 @@ class ContextInjector:
         """Fuse target features (B, n, k*D) at absolute `offset` and append them to `cache`."""
         if offset != cache.offset:
             raise ValueError(f"injecting at position {offset} but the draft cache ends at {cache.offset}")
-        context = self.drafter.fuse_context(target_hidden)
+        if self.wide:
+            # float16 overflows in the projection of large features: project in float32, then the
+            # normed context (order one) goes back to the features' dtype.
+            context = self.drafter.fuse_context(target_hidden.astype(mx.float32)).astype(target_hidden.dtype)
+        else:
+            context = self.drafter.fuse_context(target_hidden)
         backend = kernels.backend()
         tables = kernels.rope_tables(self.drafter.rope, self.head_dim) if backend else None
         if tables is not None:

@@ -17,6 +17,7 @@ from .distributed import one_rank_at_a_time, shard_target, world
 from .drafter import DFlashDraftModel, ModelArgs
 from .dtypes import DTYPES, cast_floats, default_dtype  # noqa: F401  (re-exported)
 from .errors import DFlashError
+from .rank_agreement import check_before_loading
 from .resolve import drafter_source, resolve_path, target_source
 from .target import TargetModel, check_forward
 
@@ -113,8 +114,13 @@ def load_drafter(
 
 
 def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
-                revision: str | None = None) -> tuple[nn.Module, Any]:
-    """An mlx-lm model and tokenizer, cast to `dtype` (float32 on the CPU by default)."""
+                revision: str | None = None, drafter_dir: Path | None = None) -> tuple[nn.Module, Any]:
+    """An mlx-lm model and tokenizer, cast to `dtype` (float32 on the CPU by default).
+
+    Distributed, the ranks first check that they agree on package versions, this target's
+    files and those of `drafter_dir` (the drafter the caller loads next), before any weights
+    load (`rank_agreement`).
+    """
     from mlx_lm.utils import load as mlx_lm_load
 
     # Short names, .gguf files and PyTorch-only checkpoints go through the converted cache
@@ -124,6 +130,8 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
     else:
         path = one_rank_at_a_time(target_source, path_or_repo)
     group = world()
+    if group is not None:
+        check_before_loading(group, path, drafter_dir)
     if not (path / "config.json").exists():
         raise DFlashError(f"{path}: missing config.json")
     if glob.has_magic(str(path)):
@@ -143,7 +151,13 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
     if group is not None:
         shard_target(model, group)
     cast_floats(model, dtype)
-    check_forward(TargetModel(model))  # refuses an mlx-lm whose internals drifted from families.py
+    try:
+        check_forward(TargetModel(model))  # refuses an mlx-lm whose internals drifted from families.py
+    except RuntimeError as e:
+        if "GatherMM" not in str(e):
+            raise
+        raise DFlashError(f"MLX's CPU backend computes mixture-of-experts layers in float32 only; this model "
+                          f"cannot run in {str(dtype).removeprefix('mlx.core.')} here: drop --dtype") from None
     return model, tokenizer
 
 
@@ -165,9 +179,10 @@ def load(
     if dtype is not None and dtype not in DTYPES:
         raise DFlashError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype}")
     mx_dtype = DTYPES[dtype] if dtype else default_dtype()
-    target_model, tokenizer = load_target(model, dtype=mx_dtype)
+    draft_dir = drafter_source(draft) if draft is not None else None
+    target_model, tokenizer = load_target(model, dtype=mx_dtype, drafter_dir=draft_dir)
     drafter = None
-    if draft is not None:
+    if draft_dir is not None:
         target = TargetModel(target_model)
-        drafter = load_drafter(drafter_source(draft), target, dtype=mx_dtype or target.dtype)
+        drafter = load_drafter(draft_dir, target, dtype=mx_dtype or target.dtype)
     return target_model, tokenizer, drafter

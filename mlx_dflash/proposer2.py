@@ -27,6 +27,7 @@ class DFlash2Proposer(DFlashProposer):
     def _select(self, last_token: mx.array, position: int, block_size: int, temperature: float) -> Selection:
         block = mx.concatenate([last_token.astype(mx.uint32), self._masks[: block_size - 1]])
         hidden = self.drafter(self.drafter.embed(self.target, block[None]), self.cache, position)
+        self._note_draft(hidden)
         return self.drafter.select(hidden[:, 1:], last_token.astype(mx.uint32), self.target, temperature)
 
     def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:

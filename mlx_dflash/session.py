@@ -171,6 +171,8 @@ class DecodingSession:
             self.moved_seconds -= self._ahead_seconds
         self._inputs = launched.inputs.shape[0]
         verified = launched.finish(timings)
+        if verified.draft_finite is not None:
+            self.proposer.checked(verified.draft_finite)
         if self._inputs > 1:
             verified.source = LOOKUP if draft is not None else DFLASH
         return verified

@@ -145,6 +145,10 @@ class TargetModel:
         """Rank 0's host-side choice (a block size) on every rank; `value` itself when not distributed."""
         return value if self.world is None else int(self.world.agree(mx.array([value])).item())
 
+    def agree_tokens(self, ids: Sequence[int]) -> list[int]:
+        """Rank 0's token ids on every rank (a prompt each rank tokenized itself); `ids` when not distributed."""
+        return list(ids) if self.world is None else self.world.share_tokens(list(ids))
+
     def heartbeat(self) -> None:
         """Distributed: this rank is making progress (the watchdog measures silence from here)."""
         if self.world is not None:
@@ -157,14 +161,23 @@ class TargetModel:
         """The raw embedding rows (what the drafter consumes; no family scaling)."""
         return self.inner.embed_tokens(tokens)
 
-    def head(self, hidden: mx.array) -> mx.array:
-        """The lm_head (or the tied embedding) alone, without the family's logit finishing."""
+    def _lm_head(self) -> nn.Module | None:
+        """The separate lm_head, or None where the embedding is used as the head (tied)."""
         tied = getattr(self.owner, "tie_word_embeddings", None)
         if tied is None:
             tied = getattr(self.args, "tie_word_embeddings", False)
-        if tied or "lm_head" not in self.owner:
+        return None if tied or "lm_head" not in self.owner else self.owner.lm_head
+
+    @property
+    def head_is_sharded(self) -> bool:
+        """Tensor parallel with the lm_head split over the vocabulary: any logits are then a collective."""
+        return isinstance(self._lm_head(), _VOCAB_SHARDED)
+
+    def head(self, hidden: mx.array) -> mx.array:
+        """The lm_head (or the tied embedding) alone, without the family's logit finishing."""
+        head = self._lm_head()
+        if head is None:
             return self.inner.embed_tokens.as_linear(hidden)
-        head = self.owner.lm_head
         if isinstance(head, _VOCAB_SHARDED):  # tensor parallel: each rank holds a slice of the vocabulary
             return gather_last_axis(head(hidden), head.group)
         return head(hidden)

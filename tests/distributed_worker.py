@@ -3,8 +3,10 @@
     distributed_worker.py OUT_PREFIX
 Greedy DFlash (real tiny drafter and a 30%-wrong scripted proposer) and the target alone,
 tensor-parallel over the ranks, for qwen3, llama (tied), qwen3_5 and gpt_oss; then seeded
-sampling with an oracle proposer (for the chi-square check).
+sampling with an oracle proposer (for the chi-square check), a prompt that differs between
+ranks (rank 0's is decoded), and seeded sampling with a DFlash2 drafter (rejection sampling).
 Models are rebuilt from seeds on every rank (identical weights), then sharded as `load_target` does.
+What may differ between ranks (which proposer ran, how often the drafter did) is kept under "rank".
 """
 
 from __future__ import annotations
@@ -22,9 +24,12 @@ from test_sampling import PROMPT as SAMPLING_PROMPT  # noqa: E402
 from test_sampling import SEED as SAMPLING_SEED  # noqa: E402
 from test_sampling import MemoOracle  # noqa: E402
 from tiny import FakeTokenizer, ScriptedProposer, tiny_drafter, tiny_target  # noqa: E402
+from tiny_dflash2 import tiny_dflash2  # noqa: E402
 
 import mlx_dflash  # noqa: E402
 from mlx_dflash.distributed import shard_target, world  # noqa: E402
+from mlx_dflash.drafter import DFlashDraftModel  # noqa: E402
+from mlx_dflash.generate import make_proposer  # noqa: E402
 from mlx_dflash.target import TargetModel  # noqa: E402
 
 FAMILIES = ["qwen3", "llama_tied", "qwen3_5", "gpt_oss"]
@@ -48,9 +53,33 @@ def tokens(events) -> list[int]:
     return [t for e in events for t in e.tokens]
 
 
+DRAFTER_WORK = [0]  # drafter passes (blocks and context injections, v1 and DFlash2) on this rank
+
+
+def count_drafter_work() -> None:
+    for name in ("__call__", "fuse_context"):
+        method = getattr(DFlashDraftModel, name)
+
+        def counted(self, *args, _method=method, **kwargs):
+            DRAFTER_WORK[0] += 1
+            return _method(self, *args, **kwargs)
+
+        setattr(DFlashDraftModel, name, counted)
+
+
+def drafted(target: TargetModel, drafter, prompt, **kwargs) -> tuple[list[int], dict]:
+    """One DFlash generation's tokens, and who drafted on this rank while it ran."""
+    before = DRAFTER_WORK[0]
+    out = tokens(mlx_dflash.stream_generate(target, TOK, prompt, draft_model=drafter, max_tokens=MAX_TOKENS,
+                                            block_size=4, **kwargs))
+    return out, {"proposer": type(make_proposer(target, drafter, 4)).__name__,
+                 "drafter_work": DRAFTER_WORK[0] - before, "head_sharded": target.head_is_sharded}
+
+
 def decode(out_prefix: str) -> None:
     w = world()
-    results: dict = {}
+    count_drafter_work()
+    results: dict = {"rank": {}}
     for name in FAMILIES:
         model = family_model(name)
         drafter = tiny_drafter(model, seed=5)  # from the whole model, before sharding (replicated)
@@ -58,8 +87,7 @@ def decode(out_prefix: str) -> None:
         target = TargetModel(model)
         for i, prompt in enumerate(PROMPTS):
             alone = tokens(mlx_dflash.stream_generate(target, TOK, prompt, max_tokens=MAX_TOKENS))
-            dflash = tokens(mlx_dflash.stream_generate(target, TOK, prompt, draft_model=drafter,
-                                                       max_tokens=MAX_TOKENS, block_size=4))
+            dflash, results["rank"][f"{name}/{i}"] = drafted(target, drafter, prompt)
             proposer = ScriptedProposer(prompt + alone, target.vocab_size, error_rate=0.3, seed=i)
             events = list(mlx_dflash.stream_generate(target, TOK, prompt, draft_model=proposer,
                                                      max_tokens=MAX_TOKENS, block_size=6))
@@ -78,6 +106,19 @@ def decode(out_prefix: str) -> None:
         samples.append(tokens(events)[:3])
         accepted += sum(e.num_draft_accepted for e in events)
     results["sampling"] = {"samples": samples, "accepted": accepted}
+    # Each rank tokenizes its own prompt text: every rank decodes rank 0's ids.
+    model = family_model("qwen3")
+    drafter = tiny_drafter(model, seed=5)
+    dflash2, _ = tiny_dflash2(model, seed=2, block_size=4)
+    shard_target(model, w)
+    target = TargetModel(model)
+    results["text_prompt"], _ = drafted(target, drafter, "hello" if w.is_main else "another prompt")
+    # Seeded sampling with a DFlash2 drafter: rank 0 verifies its sampled drafts by rejection sampling.
+    mx.random.seed(11)
+    results["dflash2_sampling"] = []
+    for i, prompt in enumerate(PROMPTS):
+        out, results["rank"][f"dflash2/{i}"] = drafted(target, dflash2, prompt, temp=1.0)
+        results["dflash2_sampling"].append(out)
     Path(f"{out_prefix}.rank{w.rank}.json").write_text(json.dumps(results))
 
 

@@ -275,3 +275,13 @@ def test_cli_usage_errors_in_process(capsys, args):
     assert code == 2
     assert "Traceback" not in out + err
     assert "Usage:" in err
+
+
+def test_a_half_precision_moe_target_on_the_cpu_is_refused_with_a_reason(tmp_path):
+    """MLX's CPU mixture-of-experts matmul is float32-only: `--dtype bfloat16` gets a clear error there,
+    never MLX's raw one (where a backend computes it, the model simply loads)."""
+    path = save_target(tiny_target("qwen3_moe"), "qwen3_moe", tmp_path / "moe")
+    try:
+        load(str(path), dtype="bfloat16")
+    except DFlashError as e:
+        assert "float32 only" in str(e) and "--dtype" in str(e)

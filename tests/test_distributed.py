@@ -67,11 +67,15 @@ def _one_rank_greedy(name: str, prompt: list[int]) -> list[int]:
     return greedy_reference(family_model(name), prompt, MAX_TOKENS)
 
 
+def _committed(run: dict) -> dict:
+    return {key: value for key, value in run.items() if key != "rank"}  # "rank": who drafted there
+
+
 def test_greedy_on_two_ranks_equals_the_target_alone_on_one(decoded):
     from distributed_worker import FAMILIES, PROMPTS
 
     rank0, rank1 = decoded[0], decoded[1]
-    assert rank0 == rank1  # every rank committed the same tokens
+    assert _committed(rank0) == _committed(rank1)  # every rank committed the same tokens
     cases = [(name, i) for name in FAMILIES for i in range(len(PROMPTS))]
     assert len(cases) >= 20
     accepted = 0
@@ -83,6 +87,34 @@ def test_greedy_on_two_ranks_equals_the_target_alone_on_one(decoded):
         assert run["scripted"] == reference, (name, i)
         accepted += run["accepted"]
     assert accepted > 100  # the scripted proposer's blocks were really accepted, across families
+
+
+def test_ranks_other_than_0_follow_without_drafting_unless_draft_logits_are_a_collective(decoded):
+    from distributed_worker import TOK
+
+    leader, follower = decoded[0]["rank"], decoded[1]["rank"]
+    assert set(leader) == set(follower)
+    followed = 0
+    for run, mine in leader.items():
+        theirs = follower[run]
+        assert mine["drafter_work"] > 0 and mine["proposer"] in ("DFlashProposer", "DFlash2Proposer"), run
+        if theirs["head_sharded"]:  # rank 0's draft logits gather rank 1's slice of the vocabulary
+            assert theirs["drafter_work"] > 0 and theirs["proposer"] == mine["proposer"], run
+        else:
+            expected = "SampledRankFollower" if run.startswith("dflash2/") else "RankFollower"
+            assert theirs["drafter_work"] == 0 and theirs["proposer"] == expected, run
+            followed += 1
+    assert followed >= 20 and any(run["head_sharded"] for run in follower.values())
+    # Rank 1 was given another prompt text; both decoded rank 0's.
+    assert decoded[1]["text_prompt"] == _one_rank_greedy("qwen3", TOK.encode("hello"))
+
+
+def test_seeded_sampling_with_a_dflash2_drafter_commits_rank_0s_tokens_on_both_ranks(decoded):
+    from distributed_worker import MAX_TOKENS, PROMPTS
+
+    samples = decoded[0]["dflash2_sampling"]
+    assert samples == decoded[1]["dflash2_sampling"]
+    assert [len(s) for s in samples] == [MAX_TOKENS] * len(PROMPTS)
 
 
 def test_seeded_sampling_on_two_ranks_is_identical_and_exact(decoded):
@@ -195,3 +227,69 @@ def test_chat_on_two_ranks_reads_rank_0s_input_and_replies_as_one_rank(tmp_path)
     one = subprocess.run(args, input=script, capture_output=True, text=True, timeout=300, cwd=str(HERE))
     assert reply(two.stdout) == reply(one.stdout)
     assert " ".join(two.stdout.split()).count("(as given, local)") == 1  # rank 0 alone printed the header
+
+
+def _variant(source: Path, path: Path, edit) -> Path:
+    shutil.copytree(source, path)
+    edit(path)
+    return path
+
+
+def _edit_json(name: str, **changes):
+    def edit(path: Path) -> None:
+        data = json.loads((path / name).read_text())
+        (path / name).write_text(json.dumps({**data, **changes}, indent=2))
+    return edit
+
+
+def test_ranks_with_different_model_configs_stop_at_start_up_with_one_error(tmp_path):
+    """`dflash-mlx generate` where rank 1's config.json differs by one field: both ranks end at once."""
+    model = tiny_target("qwen3", seed=0)
+    save_target(model, "qwen3", tmp_path / "target0")
+    _variant(tmp_path / "target0", tmp_path / "target1", _edit_json("config.json", rms_norm_eps=1e-5))
+    started = time.monotonic()
+    proc = launch([sys.executable, str(HERE / "per_rank_cli.py"), "generate", "-m", str(tmp_path / "target{rank}"),
+                   "--prompt-ids", "5,9,33", "--max-tokens", "4"], timeout=300,
+                  env={"MLX_DFLASH_DIST_TIMEOUT": "600"})
+    elapsed = time.monotonic() - started
+    difference = "rank 1 differs from rank 0: target config.json rms_norm_eps 1e-05 vs 1e-06"
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 2 and all(difference in line for line in errors), proc.stderr[-3000:]
+    assert any("error: ranks disagree" in line for line in errors)  # rank 0
+    assert any("error: rank 1: ranks disagree" in line for line in errors)
+    assert "Traceback" not in proc.stderr and "no progress" not in proc.stderr
+    assert not proc.stdout.strip() and elapsed < 200  # well before the 600 s watchdog; nothing generated
+
+
+def test_ranks_name_differing_versions_weights_tokenizers_and_drafters_before_loading(tmp_path):
+    import mlx.core as mx
+
+    model = tiny_target("qwen3", seed=0)
+    target = save_target(model, "qwen3", tmp_path / "target")
+    drafter = save_drafter(tiny_drafter(model), drafter_config(model), tmp_path / "drafter")
+
+    def other_header(path: Path) -> None:  # the same tensors, other safetensors metadata
+        weights = dict(mx.load(str(path / "model.safetensors")))
+        mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"note": "another export"})
+
+    _variant(target, tmp_path / "target_header", other_header)
+    _variant(target, tmp_path / "target_tokenizer", _edit_json("tokenizer_config.json", model_max_length=77))
+    _variant(drafter, tmp_path / "drafter_config", _edit_json("config.json", block_size=4))
+    prefix = tmp_path / "out"
+    proc = launch([sys.executable, str(HERE / "agreement_worker.py"), str(tmp_path), str(prefix)], timeout=600)
+    ranks = [Path(f"{prefix}.rank{r}.json") for r in range(2)]
+    assert all(p.is_file() for p in ranks), proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank0, rank1 = (json.loads(p.read_text()) for p in ranks)
+    from importlib.metadata import version
+
+    expected = {
+        "version": f"rank 1 differs from rank 0: mlx 0.0.0-test vs {version('mlx')}",
+        "header": "rank 1 differs from rank 0: target model.safetensors size",  # then: header differs
+        "tokenizer": "rank 1 differs from rank 0: target tokenizer file tokenizer_config.json content differs",
+        "drafter": "rank 1 differs from rank 0: drafter config.json block_size 4 vs 8",
+    }
+    for name, phrase in expected.items():
+        assert rank0[name]["error"] == rank1[name]["error"], name  # one error, raised on every rank
+        assert phrase in rank0[name]["error"], (name, rank0[name]["error"])
+    assert "target model.safetensors header differs" in rank0["header"]["error"]
+    assert rank0["same"]["error"] is None and rank1["same"]["error"] is None  # and then they load

@@ -259,10 +259,13 @@ def test_engine_kernel_path_matches_pure_path(build_dir, monkeypatch):
 
     monkeypatch.setattr(kernels, "backend", lambda: "metal")
     monkeypatch.setattr(_common, "compiled", emulated)
+    monkeypatch.delenv(kernels.MODE_ENV, raising=False)
+    kernels.self_check.forget()
     kernel_hidden, kernel_context = draft_step()
+    kernels.self_check.forget()
 
-    # Two injections, then one block launch per draft layer.
-    assert launches == ["dflash_context_kv"] * 2 + ["dflash_block_qk"] * args.num_hidden_layers
+    # Each kernel's self-check launch on first use, then two injections and one block launch per layer.
+    assert launches == ["dflash_context_kv"] * 3 + ["dflash_block_qk"] * (1 + args.num_hidden_layers)
     for got, want in zip(kernel_context, pure_context, strict=True):
         np.testing.assert_allclose(f32(got), f32(want), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(f32(kernel_hidden), f32(pure_hidden), rtol=1e-4, atol=1e-4)

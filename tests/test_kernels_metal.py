@@ -112,10 +112,17 @@ def test_engine_uses_kernels_and_matches_kill_switch(monkeypatch):
 
     monkeypatch.setattr(_common, "compiled", counted)
     monkeypatch.delenv(kernels.KILL_SWITCH_ENV, raising=False)
+    monkeypatch.delenv(kernels.MODE_ENV, raising=False)
     assert kernels.backend() == "metal"
+    kernels.self_check.forget()
     with_kernels, kernel_context = draft_step()
-    # The kernels really ran: two injections, then one block launch per draft layer.
-    assert launches == [("dflash_context_kv", "metal")] * 2 + [("dflash_block_qk", "metal")] * args.num_hidden_layers
+    # Each kernel passed its self-check on this Mac (one launch each), then the kernels really ran:
+    # two injections, then one block launch per draft layer.
+    checks = kernels.self_check.results()
+    kernels.self_check.forget()
+    assert checks and all(c.passed for c in checks), checks
+    assert launches == ([("dflash_context_kv", "metal")] * 3
+                        + [("dflash_block_qk", "metal")] * (1 + args.num_hidden_layers))
     monkeypatch.setenv(kernels.KILL_SWITCH_ENV, "1")
     launches.clear()
     without, pure_context = draft_step()

@@ -13,7 +13,11 @@ from typing import Any
 
 import mlx.core as mx
 
-KILL_SWITCH_ENV = "MLX_DFLASH_NO_KERNELS"
+# auto: each kernel checks itself against its reference on first use (mlx_dflash.kernels.self_check);
+# off: the pure-MLX path only; on: the kernels without the check.
+MODE_ENV = "MLX_DFLASH_KERNELS"
+MODES = ("auto", "off", "on")
+KILL_SWITCH_ENV = "MLX_DFLASH_NO_KERNELS"  # set: the same as MLX_DFLASH_KERNELS=off
 # The CUDA twin has not been checked on a device yet, so it is opt-in.
 CUDA_OPT_IN_ENV = "MLX_DFLASH_CUDA_KERNELS"
 
@@ -86,9 +90,19 @@ class KernelSpec:
     header: str = ROW_HEADER
 
 
+def mode() -> str:
+    """MLX_DFLASH_KERNELS as one of MODES (an unknown value is an error, not a silent default)."""
+    if os.environ.get(KILL_SWITCH_ENV):
+        return "off"
+    value = os.environ.get(MODE_ENV, "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV}={value!r}: expected one of {', '.join(MODES)}")
+    return value
+
+
 def backend() -> str | None:
     """'metal' or 'cuda' where the kernels should run, None for the pure-MLX path."""
-    if os.environ.get(KILL_SWITCH_ENV):
+    if mode() == "off":
         return None
     if mx.metal.is_available():
         return "metal"
@@ -117,6 +131,21 @@ def compiled(spec: KernelSpec, kind: str) -> Any:
         else:
             raise ValueError(f"no kernel backend {kind!r}")
     return _BUILT[key]
+
+
+def norm_rope_rows(
+    x: mx.array, weight: mx.array, eps: float, tables: Any, positions: mx.array, dtype: mx.Dtype
+) -> mx.array:
+    """Pure-MLX twin of `dflash_norm_rope_row` over the last axis of `x`, rows at `positions`
+    (broadcast against x's second-to-last axis): float32 inside, one cast at the end."""
+    x = x.astype(mx.float32)
+    half = x.shape[-1] // 2
+    x = x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + eps)
+    x = x * weight.astype(mx.float32) * tables.input_scale
+    theta = (positions.astype(mx.float32) * tables.position_scale)[:, None] * tables.inv_freq
+    c, s = mx.cos(theta), mx.sin(theta)
+    a, b = x[..., :half], x[..., half:]
+    return mx.concatenate([a * c - b * s, a * s + b * c], axis=-1).astype(dtype)
 
 
 def grid_for(rows: int) -> dict[str, tuple[int, int, int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from . import _common
+from . import _common, self_check
 from .rope_tables import RopeTables
 
 # One thread per (layer, batch, kv head, position) row, numbered in output order.
@@ -64,6 +64,33 @@ def launch_args(
     )
 
 
+def context_kv_reference(
+    *, kv: mx.array, k_norm_weight: mx.array, eps: float, tables: RopeTables, offset: int, dtype: mx.Dtype
+) -> tuple[mx.array, mx.array]:
+    """Pure-MLX twin of the kernel: what it must write, computed the same way (float32 inside)."""
+    n = kv.shape[1]
+    keys = kv[:, :, :, 0].transpose(2, 0, 3, 1, 4)  # (layers, B, kv_heads, n, head_dim)
+    values = kv[:, :, :, 1].transpose(2, 0, 3, 1, 4)
+    positions = mx.arange(n, dtype=mx.float32) + offset
+    keys = _common.norm_rope_rows(keys, k_norm_weight[:, None, None, None, :], eps, tables, positions, dtype)
+    return keys, values.astype(dtype)
+
+
+def _launch(backend: str, **args) -> tuple[mx.array, mx.array]:
+    keys, values = _common.compiled(SPEC, backend)(**launch_args(**args))
+    return keys, values
+
+
+def trial(backend: str, in_dtype: mx.Dtype, dtype: mx.Dtype, tables: RopeTables, head_dim: int):
+    """Kernel and reference on a small input of this class (2 layers, 2 heads, 3 positions)."""
+    args = dict(
+        kv=self_check.small_normal((1, 3, 2, 2, 2, head_dim), in_dtype, seed=0, scale=2.0),
+        k_norm_weight=self_check.small_normal((2, head_dim), in_dtype, seed=1, scale=0.2, shift=1.0),
+        eps=1e-6, tables=tables, offset=7, dtype=dtype,
+    )
+    return list(_launch(backend, **args)), list(context_kv_reference(**args))
+
+
 def inject_context_kv(
     *,
     kv: mx.array,
@@ -74,9 +101,11 @@ def inject_context_kv(
     dtype: mx.Dtype,
     backend: str = "metal",
 ) -> tuple[mx.array, mx.array]:
-    """Kernel twin of `inject_context_kv_reference` (same arguments, rope given as tables)."""
-    kernel = _common.compiled(SPEC, backend)
-    keys, values = kernel(
-        **launch_args(kv=kv, k_norm_weight=k_norm_weight, eps=eps, tables=tables, offset=offset, dtype=dtype)
-    )
-    return keys, values
+    """Kernel twin of `inject_context_kv_reference` (same arguments, rope given as tables);
+    the pure-MLX twin where this kernel failed its self-check."""
+    args = dict(kv=kv, k_norm_weight=k_norm_weight, eps=eps, tables=tables, offset=offset, dtype=dtype)
+    head_dim = kv.shape[-1]
+    if self_check.usable(SPEC.name, backend, dtype, head_dim,
+                         lambda: trial(backend, kv.dtype, dtype, tables, head_dim)):
+        return _launch(backend, **args)
+    return context_kv_reference(**args)

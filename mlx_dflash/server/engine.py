@@ -19,6 +19,7 @@ import mlx.core as mx
 from ..generate import GenerationStats, check_block_size, make_proposer, stream_session
 from ..lookup import PromptLookup
 from ..policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy, reproducible
+from ..runtime import default_prompt_cache_bytes, settle, wired_limit
 from ..sampling import make_sampler
 from ..session import DecodingSession
 from ..stream_guard import guarded
@@ -30,7 +31,7 @@ from .text import TextFilter
 @dataclass
 class EngineConfig:
     block_size: int | str = DEFAULT_BLOCK_SIZE  # "auto": chosen each cycle; an int: fixed
-    prompt_cache_bytes: int = 4 << 30
+    prompt_cache_bytes: int | None = None  # None: sized from the device's memory (`runtime.default_prompt_cache_bytes`)
     calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (mlx_dflash.calibration)
     prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.lookup`)
 
@@ -118,7 +119,12 @@ class Engine:
                                   drafter=drafter is not None, lookup=lookup)
         self.max_context = getattr(self.target.args, "max_position_embeddings", None)
         self.stop_ids = set(tokenizer.eos_token_ids)
-        self.prompt_cache = PromptCache(self.config.prompt_cache_bytes, self._new_session)
+        cache_bytes = self.config.prompt_cache_bytes
+        if cache_bytes is None:
+            cache_bytes = default_prompt_cache_bytes(self.target.model, drafter)
+        self.prompt_cache = PromptCache(cache_bytes, self._new_session)
+        # The worker thread decodes: nothing it reads may hold a graph built on this thread.
+        settle(self.target.model, drafter)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._current: Job | None = None
@@ -171,6 +177,10 @@ class Engine:
 
     # -- the worker ----------------------------------------------------------------------
     def _work(self) -> None:
+        with wired_limit([self.target.model, self.drafter]):
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             job = self._jobs.get()
             if job is None:

@@ -16,12 +16,21 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..chat import common_prefix
 from ..session import DecodingSession
 from ..speculative import DFlashProposer
 from ..target import copy_cache
+
+
+def session_arrays(session: DecodingSession) -> list[mx.array]:
+    """Every array of the session's caches, the drafter's included."""
+    arrays = [a for c in session.cache for _, a in tree_flatten(c.state) if isinstance(a, mx.array)]
+    if session.proposer is not None:
+        arrays += session.proposer.state_arrays()
+    return arrays
 
 
 def session_bytes(session: DecodingSession) -> int:
@@ -111,13 +120,20 @@ class PromptCache:
         if self.max_bytes <= 0 or len(session.tokens) < 2:
             return
         session.settle()  # the pending token must be in no cache (`fetch` may replace it)
+        # Kept evaluated: no lazy graph (a copy's) waits in the cache, for whichever thread takes it.
+        mx.eval(session_arrays(session))
         self._entries[self._next_key] = (session, session_bytes(session))
         self._next_key += 1
+        evicted = False
         while self._entries and self.nbytes > self.max_bytes:
             self._entries.popitem(last=False)
+            evicted = True
+        if evicted:
+            mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
 
     def clear(self) -> None:
         self._entries.clear()
+        mx.clear_cache()
 
 
 def _usable_length(session: DecodingSession, prompt: list[int]) -> int | None:
