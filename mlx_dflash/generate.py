@@ -249,6 +249,7 @@ def stream_session(
     profile: bool = False,
     policy: BlockSizePolicy | None = None,
     block_size: int = 1,
+    constraint: Any = None,
 ) -> Iterator[GenerationEvent]:
     """Feed `new_tokens` to an existing session, then decode one event per verify cycle.
 
@@ -256,6 +257,8 @@ def stream_session(
     is committed, so a caller may stop iterating there and keep using the session
     (a multi-turn chat does). A stop token ends generation and stays committed.
     `policy` picks each cycle's block size (default: always `block_size`).
+    `constraint` (a fresh `constraint.TokenConstraint`) restricts this generation to its grammar:
+    every token is the constrained target's, drafted or not.
     """
     policy = policy or FixedBlockSize(block_size)
     stats = GenerationStats(prompt_tokens=len(new_tokens))
@@ -264,12 +267,13 @@ def stream_session(
         return
     mx.reset_peak_memory()
     clock = Clock()
-    with mx.stream(generation_stream):  # mlx-lm's generation stream (`mlx_dflash.runtime`)
-        produced, accepted, source = [session.extend(list(new_tokens), sampler)], 0, None  # the prefill commits one
-    rows = session.prefill_logprobs
-    stats.prefill_time = clock.lap()
-    policy.begin()
+    session.constraint = constraint  # for this generation only (a cached session outlives it)
     try:
+        with mx.stream(generation_stream):  # mlx-lm's generation stream (`mlx_dflash.runtime`)
+            produced, accepted, source = [session.extend(list(new_tokens), sampler)], 0, None  # the prefill commits one
+        rows = session.prefill_logprobs
+        stats.prefill_time = clock.lap()
+        policy.begin()
         while True:
             finish = None
             if produced[-1] in stop:
@@ -298,6 +302,7 @@ def stream_session(
             source = verified.source
             stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction, source)
     finally:
+        session.constraint = None
         with mx.stream(generation_stream):
             session.settle()  # the consumer stopped iterating
 

@@ -27,6 +27,7 @@ features queued, as a plain step does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -40,6 +41,11 @@ PREFILL_CHUNK = 2048
 LOOKUP_TOKENS = 15  # the most tokens prompt lookup proposes (a block of 16)
 MAX_PROPOSAL = 1 << 20  # the drafter can propose as many as the policy asks
 MAX_PENDING = 512  # queued feature positions past which plain steps inject them anyway (memory)
+
+
+class PrefillCancelled(Exception):
+    """`extend` stopped between prefill chunks: `cancel_check` said so. The chunks fed so far are
+    committed (the next input token is the pending one), so the session stays consistent."""
 
 
 class DecodingSession:
@@ -61,6 +67,11 @@ class DecodingSession:
         # Launching ahead needs a cheap way back (a trim) and no other rank to keep in step with.
         self.can_launch_ahead = target.world is None and target.checkpoint(self.cache) is None
         self.prefill_logprobs: mx.array | None = None  # the last `extend`'s sampled row
+        # Asked between `extend`'s prefill chunks (a server's request was cancelled): True stops it there.
+        self.cancel_check: Callable[[], bool] | None = None
+        # The running generation's grammar (`constraint.TokenConstraint`), or None: set by `stream_session`.
+        # It masks every row the target samples from and follows the committed tokens.
+        self.constraint: Any = None
 
     @property
     def position(self) -> int:
@@ -108,14 +119,17 @@ class DecodingSession:
             self.inject_pending()
             mx.eval(self.proposer.state_arrays())
 
-    def _feed(self, inputs: list[int], start: int) -> mx.array:
+    def _feed(self, inputs: list[int], start: int, cancellable: bool = False) -> mx.array:
         """Run `inputs` (absolute positions from `start`) through the target in chunks,
-        committing their features to the drafter; returns the last position's logits."""
+        committing their features to the drafter; returns the last position's logits.
+        `cancellable`: raise `PrefillCancelled(fed)` between chunks when `cancel_check` says so."""
         logits = None
         self.settle()
         if self._pending:
             self.inject_pending()  # in order: queued positions come before these
         for lo in range(0, len(inputs), PREFILL_CHUNK):
+            if lo and cancellable and self.cancel_check is not None and self.cancel_check():
+                raise PrefillCancelled(lo)
             chunk = mx.array(inputs[lo : lo + PREFILL_CHUNK], dtype=mx.uint32)[None]
             hidden, features = self.target.forward(chunk, self.cache, self.capture)
             if self.proposer is not None:
@@ -133,9 +147,19 @@ class DecodingSession:
         """
         if not new_tokens:
             raise ValueError("extend() needs at least one new token")
-        logits = self._feed(self.tokens[-1:] + list(new_tokens), max(self.position, 0))
+        inputs = self.tokens[-1:] + list(new_tokens)
+        try:
+            logits = self._feed(inputs, max(self.position, 0), cancellable=True)
+        except PrefillCancelled as stopped:
+            # inputs[:fed] are in every cache: commit them, and inputs[fed] becomes the pending token.
+            self.tokens.extend(inputs[len(self.tokens[-1:]) : stopped.args[0] + 1])
+            raise
         self.prefill_logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)  # (1, V): the token's row
+        if self.constraint is not None:
+            self.prefill_logprobs = self.constraint.mask(self.prefill_logprobs, [])
         token = self.target.agree(sampler(self.prefill_logprobs)).item()
+        if self.constraint is not None:
+            self.constraint.commit([token])
         self.tokens.extend(list(new_tokens) + [token])
         return token
 
@@ -160,8 +184,9 @@ class DecodingSession:
         if launched is None:
             last = mx.array(self.tokens[-1:], dtype=mx.uint32)
             launched = launch_step(self.target, self.cache, self.proposer, sampler, last, self.position,
-                                   block_size, timings=timings, draft=draft)
-        if ahead and block_size == 1 and self.can_launch_ahead and timings is None:  # profile: in order
+                                   block_size, timings=timings, draft=draft, constraint=self.constraint)
+        # Not ahead when profiling (in order), nor under a grammar: the next step's mask needs this one's token.
+        if ahead and block_size == 1 and self.can_launch_ahead and timings is None and self.constraint is None:
             mx.async_eval(launched.target_tokens)
             start = time.perf_counter()
             self._ahead = launch_step(self.target, self.cache, self.proposer, sampler,
@@ -218,6 +243,8 @@ class DecodingSession:
                 self.inject_pending()
         self.tokens.extend(verified.tokens[:count])
         self._inputs = 0
+        if self.constraint is not None:
+            self.constraint.commit(verified.tokens[:count])
 
     def truncate(self, length: int) -> None:
         """Roll the whole state back to the first `length` committed tokens (length >= 1)."""

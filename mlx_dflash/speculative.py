@@ -190,13 +190,15 @@ def launch_step(
     block_size: int,
     timings: dict[str, float] | None = None,
     draft: list[int] | None = None,
+    constraint: Any = None,
 ) -> Launched:
     """Draft, verify and accept one block, lazily: the graph of the cycle, read back by `finish`.
 
     The target cache is left holding all B inputs. With no proposer (or block_size 1) this
     is one plain decoding step of the target. `draft` (prompt lookup's tokens) is verified
     instead of drafting. `timings`, when given, accumulates draft/verify seconds (forcing a
-    sync after drafting).
+    sync after drafting). `constraint` (a `constraint.TokenConstraint`) masks the target's
+    distributions before anything is sampled or accepted; it reads the draft on the host first.
     """
     start = time.perf_counter()
     capture = proposer.target_layer_ids if proposer is not None else ()
@@ -218,6 +220,8 @@ def launch_step(
     hidden, features = target.forward(inputs[None], cache, capture, checkpoint)
     logits = target.logits(hidden)[0]
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    if constraint is not None:  # drafted tokens outside the grammar get probability zero: rejected
+        logprobs = constraint.mask(logprobs, inputs[1:].tolist())
     if proposal is not None:
         # The draft was sampled from a stated q: speculative rejection sampling (`sampling.py`).
         tokens, accepted = rejection_verify(draft, proposal, sampler.probs(logprobs))

@@ -6,11 +6,31 @@ import socket
 import threading
 import time
 
+import anthropic
+import openai
+from tiny import save_target, tiny_drafter, tiny_target
+
+import mlx_dflash
 from mlx_dflash.server import Engine, EngineConfig
 from mlx_dflash.server.runner import make_server
 from mlx_dflash.server.state import ServerState
 
 MODEL_ID = "tiny"
+
+
+def tiny_pair(path):
+    """(target, tokenizer, drafter): the tiny qwen3 target (seed 0) saved under `path` and loaded back as
+    `dflash-mlx serve` loads a model, with a random DFlash drafter of block size 8."""
+    target, tokenizer, _ = mlx_dflash.load(str(save_target(tiny_target("qwen3", seed=0), "qwen3", path)))
+    return target, tokenizer, tiny_drafter(target, block_size=8)
+
+
+def openai_client(live: LiveServer, timeout: float = 60) -> openai.OpenAI:
+    return openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
+
+def anthropic_client(live: LiveServer, timeout: float = 60) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=live.url, api_key="unused", max_retries=0, timeout=timeout)
 
 
 def free_port() -> int:
@@ -23,9 +43,11 @@ class LiveServer:
     """Starts the app with uvicorn in a thread (bounded wait) and stops it on exit."""
 
     def __init__(self, target, tokenizer, drafter=None, *, api_key: str | None = None,
-                 config: EngineConfig | None = None, max_tokens_default: int = 64):
+                 config: EngineConfig | None = None, max_tokens_default: int = 64, **state_fields):
+        """`state_fields`: more `ServerState` fields (strict_model_name, max_body_bytes, allow_origins, ...)."""
         self.engine = Engine(target, tokenizer, drafter, config or EngineConfig())
-        self.state = ServerState(self.engine, MODEL_ID, api_key=api_key, max_tokens_default=max_tokens_default)
+        self.state = ServerState(self.engine, MODEL_ID, api_key=api_key, max_tokens_default=max_tokens_default,
+                                 **state_fields)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(self.state, "127.0.0.1", self.port)

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-import anthropic
+from types import SimpleNamespace
+
 import httpx
 import pytest
-from serverkit import MODEL_ID, LiveServer
-from tiny import EOS_ID, greedy_reference, save_target, tiny_drafter, tiny_target
+from serverkit import MODEL_ID, LiveServer, anthropic_client, tiny_pair
+from tiny import EOS_ID, greedy_reference
 
-import mlx_dflash
+from mlx_dflash.server import anthropic_api
+from mlx_dflash.server.state import ServerState
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    path = save_target(tiny_target("qwen3", seed=0), "qwen3", tmp_path_factory.mktemp("target"))
-    target, tokenizer, _ = mlx_dflash.load(str(path))
-    return target, tokenizer, tiny_drafter(target, block_size=8)
+    return tiny_pair(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def server(pair):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    return anthropic_client(server)
 
 
 def expected_reply(pair, messages: list[dict], n: int) -> tuple[str, int, int]:
@@ -90,7 +90,23 @@ BAD = [
     (dict(MESSAGE, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400,
      "invalid_request_error"),
     (dict(MESSAGE, stop_sequences="x"), 200, None),  # a single string is accepted as one stop sequence
-    (dict(MESSAGE, model="claude-unknown"), 404, "not_found_error"),
+    # A text model: images and documents are refused by name, in messages, tool results and the system prompt.
+    (dict(MESSAGE, messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), 400,
+     "invalid_request_error"),
+    (dict(MESSAGE, messages=[{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                                            "content": [{"type": "image", "source": {}}]}]}]), 400,
+     "invalid_request_error"),
+    (dict(MESSAGE, system=[{"type": "image", "source": {}}]), 400, "invalid_request_error"),
+    (dict(MESSAGE, messages=[{"role": "tool", "content": "x"}]), 400, "invalid_request_error"),
+    (dict(MESSAGE, thinking={"type": "sometimes"}), 400, "invalid_request_error"),
+    (dict(MESSAGE, thinking={"type": "enabled", "budget_tokens": "lots"}), 400, "invalid_request_error"),
+    (dict(MESSAGE, output_config={"format": {"type": "json_schema"}}), 400, "invalid_request_error"),
+    (dict(MESSAGE, tools=[{"name": 3, "input_schema": {}}]), 400, "invalid_request_error"),
+    (dict(MESSAGE, tool_choice={"type": "any"}), 400, "invalid_request_error"),  # a call forced, no tool to call
+    (dict(MESSAGE, tool_choice={"type": "sometimes"}), 400, "invalid_request_error"),
+    (dict(MESSAGE, thinking={"type": "adaptive"}, output_config={"effort": "high"}, metadata={"user_id": "u"},
+          context_management={"edits": []}, tools=[{"type": "web_search_20250305", "name": "web_search"}]), 200,
+     None),
 ]
 
 
@@ -104,3 +120,96 @@ def test_bad_messages_get_anthropic_errors(server):
             assert payload["type"] == "error" and payload["error"]["type"] == kind
             assert payload["error"]["message"]
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+def test_bad_messages_name_the_field(server):
+    image = dict(MESSAGE, messages=[{"role": "user", "content": [{"type": "text", "text": "see"},
+                                                                 {"type": "image", "source": {}}]}])
+    error = httpx.post(server.url + "/v1/messages", json=image).json()["error"]
+    assert "messages.0.content.1" in error["message"] and "text model" in error["message"]
+    choice = httpx.post(server.url + "/v1/messages", json=dict(MESSAGE, tool_choice={"type": "tool", "name": "f"}))
+    assert choice.status_code == 400 and "tool_choice" in choice.json()["error"]["message"]  # no tool 'f' offered
+
+
+SYSTEM_BLOCKS = [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
+                 {"type": "text", "text": "Answer in English.", "cache_control": {"type": "ephemeral"}}]
+# System messages inside `messages` (leading, and after the first turn) with earlier thinking blocks.
+WITH_SYSTEM_MESSAGES = [
+    {"role": "system", "content": "Project: caches."},
+    {"role": "user", "content": "Explain caches."},
+    {"role": "assistant", "content": [{"type": "thinking", "thinking": "Short.", "signature": "abc"},
+                                      {"type": "redacted_thinking", "data": "opaque"},
+                                      {"type": "text", "text": "Caches keep data close."}]},
+    {"role": "system", "content": [{"type": "text", "text": "Be brief.", "cache_control": {"type": "ephemeral"}}]},
+    {"role": "user", "content": [{"type": "text", "text": "Go on."}, {"type": "text", "text": "Please."}]},
+]
+# The same conversation as the template takes it: leading system text joined, later system messages in place.
+AS_TEMPLATE_MESSAGES = [
+    {"role": "system", "content": "You are terse.\n\nAnswer in English.\n\nProject: caches."},
+    {"role": "user", "content": "Explain caches."},
+    {"role": "assistant", "content": "Caches keep data close."},
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Go on.\n\nPlease."},
+]
+
+
+def test_system_messages_inside_messages(pair, client):
+    text, prompt_len, n = expected_reply(pair, AS_TEMPLATE_MESSAGES, 30)
+    reply = client.messages.create(model=MODEL_ID, max_tokens=30, system=SYSTEM_BLOCKS, messages=WITH_SYSTEM_MESSAGES)
+    assert reply.content[0].text == text and reply.usage.output_tokens == n
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == prompt_len
+    with client.messages.stream(model=MODEL_ID, max_tokens=30, system=SYSTEM_BLOCKS,
+                                messages=WITH_SYSTEM_MESSAGES) as stream:
+        assert stream.get_final_message().content[0].text == text
+    counted = client.messages.count_tokens(model=MODEL_ID, system=SYSTEM_BLOCKS, messages=WITH_SYSTEM_MESSAGES)
+    assert counted.input_tokens == prompt_len
+
+
+def test_claude_code_fields_and_headers_are_accepted(pair, server):
+    """Fields a local model has no use for are accepted; Anthropic-defined tools are skipped; greedy stays exact."""
+    body = {"model": MODEL_ID, "max_tokens": 24, "system": SYSTEM_BLOCKS[:1],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "Explain caches.",
+                                                       "cache_control": {"type": "ephemeral"}}]}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "medium"}, "metadata": {"user_id": "u1"},
+            "context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}, "service_tier": "auto",
+            "tool_choice": {"type": "auto", "disable_parallel_tool_use": True},
+            "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 5},
+                      {"type": "bash_20250124", "name": "bash"},
+                      {"type": "text_editor_20250728", "name": "str_replace_based_edit_tool"}]}
+    headers = {"anthropic-version": "2023-06-01", "x-api-key": "unused",
+               "anthropic-beta": "claude-code-20250219,context-management-2025-06-27"}
+    reply = httpx.post(server.url + "/v1/messages?beta=true", json=body, headers=headers, timeout=60)
+    assert reply.status_code == 200, reply.text
+    text, _, n = expected_reply(pair, [{"role": "system", "content": "You are terse."},
+                                       {"role": "user", "content": "Explain caches."}], 24)
+    assert reply.json()["content"] == [{"type": "text", "text": text}] and reply.json()["usage"]["output_tokens"] == n
+
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                   "{{ raise_exception('System role only at the start') }}{% endif %}"
+                   "<{{ m.role[0] }}>{{ m.content }}</s>{% endfor %}{% if add_generation_prompt %}<a>{% endif %}")
+
+
+class StrictTemplateTokenizer:
+    """The tiny tokenizer with a template that accepts a system message only first (as many do)."""
+
+    chat_template = STRICT_TEMPLATE
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def apply_chat_template(self, messages, **kwargs):
+        return self.tokenizer.apply_chat_template(messages, chat_template=STRICT_TEMPLATE, **kwargs)
+
+
+def test_later_system_messages_join_the_system_prompt_where_the_template_refuses_them(pair):
+    state = ServerState(SimpleNamespace(tokenizer=StrictTemplateTokenizer(pair[1])), MODEL_ID)
+    body = {"model": MODEL_ID, "system": SYSTEM_BLOCKS, "messages": WITH_SYSTEM_MESSAGES}
+    folded = [dict(AS_TEMPLATE_MESSAGES[0], content=AS_TEMPLATE_MESSAGES[0]["content"] + "\n\nBe brief.")]
+    folded += [m for m in AS_TEMPLATE_MESSAGES[1:] if m["role"] != "system"]
+    assert anthropic_api.count_request(state, body) == list(pair[1].apply_chat_template(folded,
+                                                                                       add_generation_prompt=True))
+    # A template that takes them keeps them in place.
+    state = ServerState(SimpleNamespace(tokenizer=pair[1]), MODEL_ID)
+    assert anthropic_api.count_request(state, body) == list(
+        pair[1].apply_chat_template(AS_TEMPLATE_MESSAGES, add_generation_prompt=True))

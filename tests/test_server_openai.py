@@ -15,17 +15,15 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
-from serverkit import MODEL_ID, LiveServer
-from tiny import EOS_ID, greedy_reference, save_target, tiny_drafter, tiny_target
+from serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
+from tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
 
 import mlx_dflash
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    path = save_target(tiny_target("qwen3", seed=0), "qwen3", tmp_path_factory.mktemp("target"))
-    target, tokenizer, _ = mlx_dflash.load(str(path))
-    return target, tokenizer, tiny_drafter(target, block_size=8)
+    return tiny_pair(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +34,7 @@ def server(pair):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return openai_client(server)
 
 
 def reference_ids(model, prompt: list[int], n: int) -> list[int]:
@@ -205,7 +203,7 @@ def test_eight_concurrent_streams_each_equal_their_solo_run(pair, server):
     results: dict[int, str] = {}
 
     def ask(i: int) -> None:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai_client(server, timeout=120)
         stream = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": questions[i]}],
                                                 max_tokens=24, stream=True)
         results[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
@@ -243,7 +241,7 @@ def test_dropped_stream_stops_its_generation_and_the_next_request_is_served(endl
         sessions = [s for s, _ in live.engine.prompt_cache._entries.values()]
         prompt = tokenizer.encode("forever and ever")
         assert len(sessions) == 1 and len(sessions[0].tokens) < len(prompt) + 4000
-        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client = openai_client(live)
         reply = client.completions.create(model=MODEL_ID, prompt="next one", max_tokens=16)
         assert reply.choices[0].text == tokenizer.decode(greedy_reference(model, tokenizer.encode("next one"), 16))
 
@@ -271,7 +269,6 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", "{not json", 400, None),
     ("/v1/chat/completions", "[1, 2]", 400, None),
     ("/v1/chat/completions", {"messages": CHAT["messages"]}, 400, "model"),
-    ("/v1/chat/completions", dict(CHAT, model="gpt-unknown"), 404, "model"),
     ("/v1/chat/completions", dict(CHAT, messages="hi"), 400, "messages"),
     ("/v1/chat/completions", dict(CHAT, messages=[]), 400, "messages"),
     ("/v1/chat/completions", dict(CHAT, messages=[{"role": "robot", "content": "x"}]), 400, "messages[0].role"),

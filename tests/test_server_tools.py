@@ -1,20 +1,15 @@
 """Tool calls through the server (OpenAI tool_calls, Anthropic tool_use), with the stop-string
-and tool-markup filter and the `<tool_call>` parser tested on their own."""
+filter tested on its own (the reply parser: test_server_reply.py)."""
 
 from __future__ import annotations
 
 import json
 
-import anthropic
-import mlx.core as mx
-import openai
 import pytest
-from mlx_lm.tokenizer_utils import load as load_tokenizer
-from serverkit import MODEL_ID, LiveServer
-from tiny import EOS_ID, tiny_drafter, tiny_target
+from scripted import scripted_pair
+from serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
 
 from mlx_dflash.server.text import TextFilter
-from mlx_dflash.server.tools import parse_tool_calls
 
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 ANSWER = "It is sunny in Paris."
@@ -36,48 +31,17 @@ WEATHER = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def scripted_pair(path):
-    """A target whose next token depends on the last one only: 'A:' -> a tool call, 'R=' -> an answer.
-
-    Characters are tokens, plus two whole-string tokens (the call and the answer), so the
-    reply is fixed while decoding still runs the real target and a (random) DFlash drafter.
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = ["<unk>", "<s>", "</s>", "<mask>"] + [chr(c) for c in range(32, 127)] + [CALL, ANSWER]
-    table = {tok: i for i, tok in enumerate(vocab)}
-    tok = Tokenizer(models.WordLevel(table, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
-                                   mask_token="<mask>")
-    fast.chat_template = TEMPLATE
-    fast.save_pretrained(str(path))
-    tokenizer = load_tokenizer(path, eos_token_ids=[EOS_ID])
-
-    model = tiny_target("llama", seed=9, vocab=len(vocab))
-    for layer in model.model.layers:  # no mixing: the last position sees its own embedding only
-        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
-        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
-    embed = model.model.embed_tokens.weight
-    head = mx.zeros((len(vocab), embed.shape[1]))
-    for src, dst in ((":", CALL), (CALL, "</s>"), ("=", ANSWER), (ANSWER, "</s>")):
-        h = model.model.norm(embed[table[src]])
-        head[table[dst]] = head[table[dst]] + 50.0 * h / (h * h).sum()
-    model.lm_head.weight = head
-    mx.eval(model.parameters())
-    return model, tokenizer, tiny_drafter(model, block_size=4)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with LiveServer(*scripted_pair(tmp_path_factory.mktemp("tools"))) as live:
+    """A scripted target (scripted.py): 'A:' -> a tool call, 'R=' -> an answer."""
+    pair = scripted_pair(tmp_path_factory.mktemp("tools"), template=TEMPLATE, strings=[CALL, ANSWER],
+                         script=[(":", CALL), (CALL, "</s>"), ("=", ANSWER), (ANSWER, "</s>")])
+    with LiveServer(*pair) as live:
         yield live
 
 
 def test_openai_tool_round_trip(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai_client(server)
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     first = client.chat.completions.create(model=MODEL_ID, messages=question, tools=[WEATHER], max_tokens=16)
     choice = first.choices[0]
@@ -105,7 +69,7 @@ def test_openai_tool_round_trip(server):
 
 
 def test_anthropic_tool_use_round_trip(server):
-    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    client = anthropic_client(server)
     tools = [{"name": "get_weather", "description": "Weather in a city",
               "input_schema": WEATHER["function"]["parameters"]}]
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -145,24 +109,8 @@ def test_filter_releases_a_false_start():
     assert held.flush() == "EN"  # generation ended: what was held back was no stop string
 
 
-def test_filter_diverts_tool_markup():
-    text = TextFilter(["STOP"], capture_marker="<tool_call>")
-    assert text.push("Sure. <tool").text == "Sure. "
-    released = text.push('_call>{"name": "f"}</tool_call>')
-    assert released.captured and released.text == ""
-    assert text.captured == '{"name": "f"}</tool_call>'
-
-
-def test_parse_tool_calls():
-    calls = parse_tool_calls('\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
-                             '<tool_call>{"name": "b", "arguments": "{\\"y\\": 2}"}</tool_call>')
-    assert [(c.name, c.arguments) for c in calls] == [("a", {"x": 1}), ("b", {"y": 2})]
-    assert parse_tool_calls('{"name": "a", "arguments": {"x": 1}') is None  # cut short: not a call
-    assert parse_tool_calls("not json</tool_call>") is None
-
-
 def test_chat_template_kwargs_reach_the_template(server):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    client = openai_client(server)
     question = [{"role": "user", "content": "Hi"}]
     plain = client.chat.completions.create(model=MODEL_ID, messages=question, max_tokens=2)
     greeted = client.chat.completions.create(model=MODEL_ID, messages=question, max_tokens=2,

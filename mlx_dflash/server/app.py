@@ -1,5 +1,8 @@
 """The Starlette application: routes, API-key check, and errors in each API's own shape.
 
+What a request must pass first (its origin, size, media type, nesting) is `guard`'s;
+every streamed reply goes out with SSE keep-alives (`sse.with_keepalive`).
+
 Starlette (with uvicorn) is small, async and well kept; streaming responses cancel
 their generator when the client goes away, which is how a dropped stream stops
 its generation at the end of the running cycle.
@@ -8,46 +11,42 @@ its generation at the end of the running cycle.
 from __future__ import annotations
 
 import hmac
-import json
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic_api, openai_api
+from . import anthropic_api, openai_api, responses_api
 from .errors import APIError
+from .guard import DEFAULT_MAX_BODY_BYTES, OriginGuard, error_json, read_json_body
 from .prompt_cache import describe
+from .sse import with_keepalive
 from .state import ServerState
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _anthropic_style(request: Request) -> bool:
-    return request.url.path.startswith("/v1/messages")
-
-
 def error_response(request: Request, error: APIError) -> JSONResponse:
-    body = error.anthropic_body() if _anthropic_style(request) else error.openai_body()
-    return JSONResponse(body, status_code=error.status)
+    return error_json(request.url.path, error)
 
 
 async def read_body(request: Request) -> dict:
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    return body
+    """The request's JSON object, within the server's body limits (`guard`)."""
+    return await read_json_body(request, getattr(request.app.state, "max_body_bytes", DEFAULT_MAX_BODY_BYTES))
 
 
 def create_app(state: ServerState) -> Starlette:
     engine = state.engine
+
+    def event_stream(events) -> StreamingResponse:
+        """Every streamed reply: SSE, with keep-alive comments while nothing comes (a long prefill)."""
+        return StreamingResponse(with_keepalive(events, state.keepalive_seconds), media_type="text/event-stream",
+                                 headers=STREAM_HEADERS)
 
     def authorize(request: Request) -> None:
         if state.api_key is None:
@@ -83,31 +82,28 @@ def create_app(state: ServerState) -> Starlette:
         state.check_model(request.path_params["name"])
         return JSONResponse(model_card())
 
-    async def openai_generate(request: Request, parse) -> Response:
+    async def generate(request: Request, api, parse) -> Response:
+        """A generation route: the body read by `parse`, the reply streamed or sent whole by `api` (the
+        OpenAI, Anthropic or Responses module: `stream` and `reply`)."""
         body = await read_body(request)
         generation, options = parse(state, body)
         job = state.run(generation)
         if options.stream:
-            return StreamingResponse(openai_api.stream(state, generation, options, job),
-                                     media_type="text/event-stream", headers=STREAM_HEADERS)
+            return event_stream(api.stream(state, generation, options, job))
         steps, finished = await job.collect(request)
-        return JSONResponse(openai_api.reply(state, generation, options, steps, finished))
+        return JSONResponse(api.reply(state, generation, options, steps, finished))
 
     async def chat_completions(request: Request) -> Response:
-        return await openai_generate(request, openai_api.chat_request)
+        return await generate(request, openai_api, openai_api.chat_request)
 
     async def completions(request: Request) -> Response:
-        return await openai_generate(request, openai_api.completion_request)
+        return await generate(request, openai_api, openai_api.completion_request)
 
     async def messages(request: Request) -> Response:
-        body = await read_body(request)
-        generation, options = anthropic_api.messages_request(state, body)
-        job = state.run(generation)
-        if options.stream:
-            return StreamingResponse(anthropic_api.stream(state, generation, options, job),
-                                     media_type="text/event-stream", headers=STREAM_HEADERS)
-        steps, finished = await job.collect(request)
-        return JSONResponse(anthropic_api.reply(state, generation, options, steps, finished))
+        return await generate(request, anthropic_api, anthropic_api.messages_request)
+
+    async def responses(request: Request) -> Response:
+        return await generate(request, responses_api, responses_api.responses_request)
 
     async def count_tokens(request: Request) -> Response:
         body = await read_body(request)
@@ -129,6 +125,8 @@ def create_app(state: ServerState) -> Starlette:
             engine.stop()
 
     routes = [
+        # Clients probe the base URL before their first request (Claude Code sends HEAD /).
+        Route("/", endpoint(health, auth=False), methods=["GET", "HEAD"]),
         Route("/health", endpoint(health, auth=False), methods=["GET"]),
         Route("/v1/models", endpoint(models), methods=["GET"]),
         Route("/v1/models/{name:path}", endpoint(model), methods=["GET"]),
@@ -136,6 +134,9 @@ def create_app(state: ServerState) -> Starlette:
         Route("/v1/completions", endpoint(completions), methods=["POST"]),
         Route("/v1/messages", endpoint(messages), methods=["POST"]),
         Route("/v1/messages/count_tokens", endpoint(count_tokens), methods=["POST"]),
+        Route("/v1/responses", endpoint(responses), methods=["POST"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     exception_handlers={HTTPException: http_error, Exception: server_error})
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(OriginGuard, allowed=state.allow_origins)],
+                    exception_handlers={HTTPException: http_error, Exception: server_error})
+    app.state.max_body_bytes = state.max_body_bytes
+    return app

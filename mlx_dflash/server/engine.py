@@ -24,7 +24,7 @@ from ..sampling import make_sampler
 from ..session import DecodingSession
 from ..stream_guard import guarded
 from ..target import TargetModel
-from .prompt_cache import PromptCache
+from .prompt_cache import PromptCache, recover
 from .text import TextFilter
 
 
@@ -34,6 +34,11 @@ class EngineConfig:
     prompt_cache_bytes: int | None = None  # None: sized from the device's memory (`runtime.default_prompt_cache_bytes`)
     calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (mlx_dflash.calibration)
     prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.lookup`)
+    max_queue: int = 32  # requests waiting behind the running one before new ones are refused (0: no bound)
+
+
+class QueueFull(Exception):
+    """The engine's queue holds `max_queue` requests already."""
 
 
 @dataclass
@@ -47,7 +52,7 @@ class GenerationRequest:
     seed: int | None = None
     stops: list[str] = field(default_factory=list)
     top_logprobs: int | None = None  # None: no logprobs; 0: the chosen token's only
-    capture_marker: str | None = None  # tool-call markup starts here
+    constraint: Any = None  # structured output: () -> a fresh TokenConstraint (`server.structured`), or None
 
 
 @dataclass
@@ -72,7 +77,6 @@ class Finished:
     stats: GenerationStats
     cached_tokens: int = 0
     stop: str | None = None  # the stop string that ended the text
-    captured: str | None = None  # tool-call markup (marker excluded)
     error: str | None = None
 
 
@@ -167,6 +171,10 @@ class Engine:
         self.prompt_cache.clear()
 
     def submit(self, request: GenerationRequest, emit: Callable[[Step | Finished], None]) -> Job:
+        """Queue a request; raises `QueueFull` when `max_queue` wait already (only one thread submits)."""
+        bound = self.config.max_queue
+        if bound and self._jobs.qsize() >= bound:
+            raise QueueFull(f"{self._jobs.qsize()} requests are waiting (--max-queue {bound})")
         job = Job(request, emit)
         self._jobs.put(job)
         return job
@@ -198,27 +206,32 @@ class Engine:
 
     def _run(self, job: Job) -> Finished:
         req = job.request
-        session, cached = self.prompt_cache.fetch(req.prompt)
-        new = req.prompt[len(session.tokens):]
+        # What may refuse the request comes before a cached session is taken over (or a failure drops it).
         if req.seed is not None:
             mx.random.seed(req.seed)
         sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
         policy = reproducible(self.policy, self.max_block_size, req.seed, req.temperature)
-        text = TextFilter(req.stops, req.capture_marker)
+        text = TextFilter(req.stops)
+        constraint = req.constraint() if req.constraint is not None else None
+        session, cached = self.prompt_cache.fetch(req.prompt)
+        session.cancel_check = job.cancelled.is_set  # a cancelled request's prefill stops at its next chunk
+        head, new = self.prompt_cache.split_prompt(session, req.prompt[len(session.tokens):])
         stream = stream_session(
             session, new, sampler, max_tokens=req.max_tokens, stop=self.stop_ids,
             detokenizer=self.tokenizer.detokenizer, policy=policy,
+            constraint=constraint,
         )
+        stream = self.prompt_cache.prefed(session, head, stream)
         finish, stop, event = "cancelled", None, None
 
         def store(consistent: bool) -> None:
-            if consistent:
+            session.cancel_check = None
+            # A failed request keeps its conversation: a session the error left mid-cycle is cut back.
+            if consistent or recover(session):
                 self.prompt_cache.store(session)
 
         with guarded(stream, store) as events:
             for event in events:
-                if event.stats.cycles == 0:  # the prompt's own event: its state is worth keeping
-                    self.prompt_cache.snapshot(session)
                 released = text.push(event.text)
                 logprobs = None if req.top_logprobs is None else \
                     token_logprobs(event.logprobs, event.tokens, req.top_logprobs)
@@ -236,4 +249,4 @@ class Engine:
             if tail:
                 job.emit(Step([], tail))
         stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
-        return Finished(finish, stats, cached, stop, text.captured)
+        return Finished(finish, stats, cached, stop)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from .errors import APIError
 
 _MISSING = object()
+INT64 = (-(1 << 63), (1 << 63) - 1)
+STOP_MAX_CHARS = 1000  # the text filter holds back up to this much of a stream; no stop is that long
 
 
 def bad(param: str, message: str) -> APIError:
@@ -26,9 +29,9 @@ def integer(body: dict, name: str, default: Any = None, low: int | None = None, 
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
-            raise bad(name, f"'{name}' must be an integer, got {value!r}")
+            raise bad(name, f"'{name}' must be an integer, got {_show(value)}")
     if (low is not None and value < low) or (high is not None and value > high):
-        raise bad(name, f"'{name}' must be {_range(low, high)}, got {value}")
+        raise bad(name, f"'{name}' must be {_range(low, high)}, got {_show(value)}")
     return value
 
 
@@ -38,8 +41,13 @@ def number(body: dict, name: str, default: Any = None, low: float | None = None,
     if value is default:
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad(name, f"'{name}' must be a number, got {value!r}")
-    value = float(value)
+        raise bad(name, f"'{name}' must be a number, got {_show(value)}")
+    try:
+        value = float(value)
+    except OverflowError:  # an integer past the float range
+        value = math.inf
+    if not math.isfinite(value):
+        raise bad(name, f"'{name}' must be a finite number, got {value}")
     if (low is not None and (value < low or (low_open and value == low))) or (high is not None and value > high):
         opening = "(" if low_open else "["
         raise bad(name, f"'{name}' must be in {opening}{low}, {high}], got {value}")
@@ -49,7 +57,7 @@ def number(body: dict, name: str, default: Any = None, low: float | None = None,
 def boolean(body: dict, name: str, default: bool = False) -> bool:
     value = _get(body, name, default)
     if not isinstance(value, bool):
-        raise bad(name, f"'{name}' must be true or false, got {value!r}")
+        raise bad(name, f"'{name}' must be true or false, got {_show(value)}")
     return value
 
 
@@ -85,7 +93,32 @@ def stop_strings(body: dict, name: str, limit: int = 16) -> list[str]:
         raise bad(name, f"'{name}' must be a string or an array of strings")
     if len(value) > limit:
         raise bad(name, f"'{name}' may list at most {limit} strings")
+    if any(len(s) > STOP_MAX_CHARS for s in value):
+        raise bad(name, f"each of '{name}' may have at most {STOP_MAX_CHARS} characters")
     return [s for s in value if s]
+
+
+def seed(body: dict, name: str = "seed") -> int | None:
+    """A sampling seed: any 64-bit signed integer; a negative one maps to its two's complement
+    (MLX takes unsigned seeds), so each seed still names one sequence."""
+    value = integer(body, name, None, *INT64)
+    return None if value is None else value & ((1 << 64) - 1)
+
+
+def top_k(body: dict, name: str, vocab_size: int) -> int:
+    """Top-k as the sampler takes it: 0 is off, and so are -1 (the OpenAI-style servers' off)
+    and any k that keeps the whole vocabulary."""
+    value = integer(body, name, 0, low=-1)
+    return 0 if value < 0 or value >= vocab_size else value
+
+
+def _show(value: Any) -> str:
+    """A value for an error message, cut short: a hostile body may put megabytes in any field."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit for printing
+        return "an integer too long to print"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _range(low: int | None, high: int | None) -> str:

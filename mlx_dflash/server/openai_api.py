@@ -11,9 +11,18 @@ from typing import Any
 from . import fields
 from .engine import Finished, GenerationRequest, Step, TokenLogprob
 from .errors import APIError
+from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem, reply_parser
 from .sse import done_event, sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers
-from .tools import TOOL_CALL_OPEN, parse_tool_calls, template_tool_call
+from .structured import (
+    PlainReply,
+    constraint_for,
+    forced_call_parser,
+    format_kind,
+    tool_choice_constraint,
+    without_thinking,
+)
+from .tools import template_tool_call
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Arguments of apply_chat_template itself, not template variables.
@@ -29,7 +38,7 @@ class Options:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
-    tools: bool = False  # parse `<tool_call>` markup into tool_calls
+    parser: ReplyParser | None = None  # chat: splits the reply into content, reasoning and tool calls
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -96,19 +105,31 @@ def parse_tools(body: dict) -> list[dict] | None:
     return tools
 
 
+def forced_tool(body: dict) -> tuple[bool, str | None]:
+    """Whether `tool_choice` forces a call ('required' or a function choice), and the function it names."""
+    choice = body.get("tool_choice", "auto")
+    if not isinstance(choice, dict):
+        return choice == "required", None
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise fields.bad("tool_choice", "a function 'tool_choice' needs function.name: "
+                         "{'type': 'function', 'function': {'name': ...}}")
+    return True, name
+
+
 def _sampling(state: ServerState, body: dict, prompt: list[int], max_tokens: int | None,
               param: str = "messages") -> GenerationRequest:
     if fields.integer(body, "n", 1) != 1:
         raise fields.bad("n", "'n' must be 1: this server returns one choice per request")
-    top_k = fields.integer(body, "top_k", 0, low=-1)
     return GenerationRequest(
         prompt=prompt,
         max_tokens=state.budget(prompt, max_tokens, param),
         temperature=fields.number(body, "temperature", state.temperature_default, 0.0, 2.0),
         top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
-        top_k=max(top_k, 0),
+        top_k=fields.top_k(body, "top_k", state.engine.target.vocab_size),
         min_p=fields.number(body, "min_p", 0.0, 0.0, 1.0),
-        seed=fields.integer(body, "seed"),
+        seed=fields.seed(body),
         stops=fields.stop_strings(body, "stop"),
     )
 
@@ -133,10 +154,19 @@ def chat_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Opt
     _common(state, body)
     messages = template_messages(fields.array(body, "messages", required=True))
     tools = parse_tools(body)
+    forced, name = forced_tool(body)
     options = body.get("chat_template_kwargs") or {}
     if not isinstance(options, dict) or set(options) & RESERVED_TEMPLATE_ARGS:
         raise fields.bad("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables "
                          f"(not {', '.join(sorted(RESERVED_TEMPLATE_ARGS))})")
+    constraint = constraint_for(state, *format_kind(body.get("response_format"), "response_format"),
+                                "response_format")
+    if forced:
+        # The reply is the call(s) alone: no text for a response format to shape, so the call grammar replaces it.
+        constraint = tool_choice_constraint(state, tools, name, "tool_choice",
+                                            fields.boolean(body, "parallel_tool_calls", True))
+    if constraint is not None:
+        options = without_thinking(options)
     prompt = state.render(messages, tools, options)
     max_tokens = fields.integer(body, "max_completion_tokens", fields.integer(body, "max_tokens", None, low=1), low=1)
     request = _sampling(state, body, prompt, max_tokens)
@@ -145,9 +175,16 @@ def chat_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Opt
     if top is not None and not logprobs:
         raise fields.bad("top_logprobs", "'top_logprobs' needs 'logprobs': true")
     request.top_logprobs = (top or 0) if logprobs else None
-    request.capture_marker = TOOL_CALL_OPEN if tools else None
+    request.constraint = constraint
     stream = fields.boolean(body, "stream")
-    return request, Options("chat", stream, _stream_options(body, stream), logprobs, bool(tools))
+    # Constrained output is the JSON itself: no reasoning span, no tool calls to look for; forced calls are calls.
+    if forced:
+        parser: ReplyParser | PlainReply = forced_call_parser(state, tools, "call_")
+    elif request.constraint is not None:
+        parser = PlainReply()
+    else:
+        parser = reply_parser(state, prompt, tools, "call_")
+    return request, Options("chat", stream, _stream_options(body, stream), logprobs, parser)
 
 
 def completion_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Options]:
@@ -219,15 +256,22 @@ class _LogprobFormat:
         return out
 
 
-def _calls(finished: Finished) -> tuple[list[dict] | None, str]:
-    """Parsed tool calls (OpenAI shape) and the markup text to show if it did not parse."""
-    if finished.captured is None:
-        return None, ""
-    calls = parse_tool_calls(finished.captured)
-    if calls is None:
-        return None, TOOL_CALL_OPEN + finished.captured
-    return [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
-            for c in calls], ""
+def _tool_call(call: ToolCallItem) -> dict:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}
+
+
+def _deltas(events: list, parser: ReplyParser) -> list[dict]:
+    """Chat chunk deltas of parser events; a call's index is its place among the reply's calls."""
+    deltas = []
+    for event in events:
+        if isinstance(event, TextDelta):
+            deltas.append({"content": event.text})
+        elif isinstance(event, ReasoningDelta):
+            deltas.append({"reasoning_content": event.text})
+        else:
+            index = next(i for i, c in enumerate(parser.calls) if c is event)
+            deltas.append({"tool_calls": [dict(_tool_call(event), index=index)]})
+    return deltas
 
 
 def reply(state: ServerState, request: GenerationRequest, options: Options, steps: list[Step],
@@ -243,10 +287,15 @@ def reply(state: ServerState, request: GenerationRequest, options: Options, step
         return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": created,
                 "model": state.model_id, "choices": [choice], "usage": _usage(state, request, finished),
                 "system_fingerprint": None, "dflash": dflash_extension(state, finished)}
-    calls, leftover = _calls(finished) if options.tools else (None, "")
+    parser = options.parser
+    events = [e for s in steps for e in parser.feed(s.text)] + parser.finish()
+    text = "".join(e.text for e in events if isinstance(e, TextDelta))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    calls = [_tool_call(c) for c in parser.calls]
     reason = _finish_reason(finished, bool(calls))
-    message: dict[str, Any] = {"role": "assistant", "content": (text + leftover) or (None if calls else ""),
-                               "refusal": None}
+    message: dict[str, Any] = {"role": "assistant", "content": text or (None if calls else ""), "refusal": None}
+    if reasoning:
+        message["reasoning_content"] = reasoning
     if calls:
         message["tool_calls"] = calls
     choice = {"index": 0, "message": message,
@@ -280,24 +329,30 @@ async def stream(
             out["usage"] = None
         return out
 
+    parser = options.parser
     if chat:
         yield sse_event(chunk(delta={"role": "assistant", "content": ""}))
     async for item in job:
         if isinstance(item, Step):
             logprobs = item.logprobs if options.logprobs else None
-            if item.text or logprobs:
-                yield sse_event(chunk(item.text, logprobs=logprobs))
+            if not chat:
+                if item.text or logprobs:
+                    yield sse_event(chunk(item.text, logprobs=logprobs))
+                continue
+            deltas = _deltas(parser.feed(item.text), parser)
+            if logprobs and not deltas:  # the tokens' text is held back (or markup): their logprobs still go out
+                deltas = [{"content": ""}]
+            for i, delta in enumerate(deltas):
+                yield sse_event(chunk(delta=delta, logprobs=logprobs if i == 0 else None))
             continue
         if item.finish_reason == "error":
             error = APIError(500, f"generation failed: {item.error}")
             yield sse_event(error.openai_body())
             break
-        calls, leftover = _calls(item) if options.tools else (None, "")
-        if leftover:
-            yield sse_event(chunk(leftover))
-        if calls:
-            yield sse_event(chunk(delta={"tool_calls": [dict(c, index=i) for i, c in enumerate(calls)]}))
-        last = chunk(reason=_finish_reason(item, bool(calls)), delta={} if chat else None)
+        if chat:
+            for delta in _deltas(parser.finish(), parser):
+                yield sse_event(chunk(delta=delta))
+        last = chunk(reason=_finish_reason(item, bool(parser and parser.calls)), delta={} if chat else None)
         last["dflash"] = dflash_extension(state, item)
         yield sse_event(last)
         if options.include_usage:

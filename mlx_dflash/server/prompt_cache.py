@@ -4,23 +4,30 @@ A request takes the session sharing the longest prefix with its prompt: one its
 prompt extends (or goes on from but for the pending token, which no cache holds)
 is taken over as it is, in every family (attention, hybrid recurrent, sliding
 window); one it diverges from earlier is copied and the copy rolled back, which
-only caches that can be trimmed allow. For the others a copy taken right after
-each prompt (`snapshot`) keeps that prompt reusable. The drafter's context cache
-travels inside the session, so it is reused alike.
+only caches that can be trimmed allow. For the others a copy taken two tokens
+before the end of each prompt (`prefed`) keeps that prompt reusable: asked again (a
+regenerated reply, a retry) or gone on from (a re-rendered reply), it computes only
+its last positions. The drafter's context cache travels inside the session, so it
+is reused alike. A request that fails does not cost the conversation: a session an
+error left mid-cycle is trimmed back to its committed tokens where it can be
+(`recover`), and kept.
 """
 
 from __future__ import annotations
 
 import copy
+import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ..chat import common_prefix
-from ..session import DecodingSession
+from ..generate import GenerationEvent
+from ..runtime import generation_stream
+from ..session import DecodingSession, PrefillCancelled
 from ..speculative import DFlashProposer
 from ..target import copy_cache
 
@@ -69,10 +76,8 @@ class PromptCache:
         self.new_session = new_session
         self._entries: OrderedDict[int, tuple[DecodingSession, int]] = OrderedDict()
         self._next_key = 0
-
-    @property
-    def nbytes(self) -> int:
-        return sum(size for _, size in self._entries.values())
+        # Kept as a running total: other threads (/health) read it while the worker evicts.
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -90,7 +95,7 @@ class PromptCache:
         keep, key = best
         session, _ = self._entries[key]
         if keep == len(session.tokens):
-            del self._entries[key]  # taken over as it is: its tokens go on in this prompt
+            self._drop(key)  # taken over as it is: its tokens go on in this prompt
         else:
             self._entries.move_to_end(key)  # kept for its own continuation; a copy is rolled back
             session = clone_session(session)
@@ -104,17 +109,51 @@ class PromptCache:
         session.tokens[-1] = prompt[keep - 1]
         return session, keep - 1
 
-    def snapshot(self, session: DecodingSession) -> None:
-        """Keep a copy of a session that cannot be rolled back, taken right after its prompt.
+    def _keeps_copies(self, session: DecodingSession) -> bool:
+        """A session that cannot be rolled back is worth a copy before its prompt's end."""
+        return self.max_bytes > 0 and session.target.checkpoint(session.cache) is not None
 
-        Its caches hold the whole prompt and its pending token is the first one generated, so
-        a later prompt that shares this prompt but goes on differently (a regenerated reply, a
-        template that re-renders past replies) still reuses all of it.
+    def split_prompt(self, session: DecodingSession, new: list[int]) -> tuple[list[int], list[int]]:
+        """`new` (the prompt after the session's tokens) as (head, rest): `prefed` takes the head
+        in (its last token becomes the pending one) and keeps a copy; the rest, the prompt's last
+        token, goes to the decode stream. A session that can be rolled back needs no copy."""
+        if len(new) <= 2 or not self._keeps_copies(session):
+            return [], new
+        return new[:-1], new[-1:]
+
+    def prefed(self, session: DecodingSession, head: list[int],
+               stream: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
+        """`stream` (a decode stream over `session`, not started), after taking `head` in and keeping
+        a copy of the session, which then holds all of its prompt but the last two tokens.
+
+        So the same prompt asked again takes the copy over (it extends it) and computes only
+        those two positions, whatever recurrent or rotating caches the target has. The head's
+        prefill counts in the stream's statistics. A cancelled prefill (`PrefillCancelled`) ends
+        the stream: the session holds the prompt fed so far, consistently, so it is kept.
         """
-        if self.max_bytes > 0 and session.target.checkpoint(session.cache) is not None:
-            clone = clone_session(session)
-            if clone is not None:
-                self.store(clone)
+        try:
+            started = time.perf_counter()
+            if head:
+                with mx.stream(generation_stream):
+                    session.extend(head[:-1], _first_choice)
+                session.tokens[-1] = head[-1]  # the pending token is in no cache: replacing it is free
+            if self._keeps_copies(session) and len(session.tokens) >= 2:
+                clone = clone_session(session)
+                if clone is not None:
+                    clone.cancel_check = None
+                    self.store(clone)
+            early = time.perf_counter() - started
+            first = True
+            for event in stream:
+                if first:
+                    event.stats.prompt_tokens += len(head)
+                    event.stats.prefill_time += early
+                    first = False
+                yield event
+        except PrefillCancelled:
+            return  # the session holds the prompt fed so far, consistently: kept, the request ends cancelled
+        finally:
+            stream.close()  # its own cleanup (a step launched ahead dropped) before the session is stored
 
     def store(self, session: DecodingSession) -> None:
         if self.max_bytes <= 0 or len(session.tokens) < 2:
@@ -122,18 +161,56 @@ class PromptCache:
         session.settle()  # the pending token must be in no cache (`fetch` may replace it)
         # Kept evaluated: no lazy graph (a copy's) waits in the cache, for whichever thread takes it.
         mx.eval(session_arrays(session))
-        self._entries[self._next_key] = (session, session_bytes(session))
+        size = session_bytes(session)
+        self._entries[self._next_key] = (session, size)
+        self.nbytes += size
         self._next_key += 1
         evicted = False
         while self._entries and self.nbytes > self.max_bytes:
-            self._entries.popitem(last=False)
+            self._drop(next(iter(self._entries)))
             evicted = True
         if evicted:
             mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
 
+    def _drop(self, key: int) -> None:
+        _, size = self._entries.pop(key)
+        self.nbytes -= size
+
     def clear(self) -> None:
         self._entries.clear()
+        self.nbytes = 0
         mx.clear_cache()
+
+
+def _first_choice(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
+def recover(session: DecodingSession) -> bool:
+    """Make a session that an exception left mid-cycle (or mid-prefill) consistent again, if its
+    caches can be trimmed: every cache is cut back to the committed tokens, which a cycle or a
+    prefill only ever writes past. False: it cannot be (a recurrent or rotating cache, another
+    proposer), and must not be reused."""
+    committed = len(session.tokens) - 1  # positions the caches hold (the pending token is in none)
+    if committed < 1 or session.target.checkpoint(session.cache) is not None:
+        return False
+    proposer = session.proposer
+    if proposer is not None and not isinstance(proposer, DFlashProposer):
+        return False
+    try:
+        session.settle()
+        for c in session.cache:
+            if c.offset < committed:
+                return False
+            c.trim(c.offset - committed)
+        if proposer is not None:
+            extra = proposer.cache.offset + session.pending_positions - committed
+            if extra < 0:
+                return False
+            proposer.trim(extra)
+    except Exception:  # a window that cannot give back positions, or state the error broke
+        return False
+    return True
 
 
 def _usable_length(session: DecodingSession, prompt: list[int]) -> int | None:

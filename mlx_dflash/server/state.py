@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine, Finished, GenerationRequest, Job, Step
+from .engine import Engine, Finished, GenerationRequest, Job, QueueFull, Step
 from .errors import APIError
+from .guard import DEFAULT_MAX_BODY_BYTES
+from .sse import KEEPALIVE_SECONDS
+
+logger = logging.getLogger("mlx_dflash")
+RETRY_AFTER_SECONDS = 5  # a full queue drains in requests' time: a retry sooner would find it full again
 
 
 @dataclass
@@ -21,13 +27,20 @@ class ServerState:
     temperature_default: float = 0.0
     aliases: set[str] = field(default_factory=set)
     created: int = field(default_factory=lambda: int(time.time()))
+    strict_model_name: bool = False  # False: any model name is served (by this model); True: others 404
+    max_tokens_cap: int | None = None  # replies longer than this are cut to it (None: the context window)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allow_origins: list[str] = field(default_factory=list)  # web page origins allowed besides loopback ("*": all)
+    keepalive_seconds: float = KEEPALIVE_SECONDS  # a quiet stream gets an SSE comment this often
+    _renders_tools: bool | None = field(default=None, init=False, repr=False)  # known after the first tools request
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
     def check_model(self, name: str) -> None:
-        if name != self.model_id and name not in self.aliases:
+        """Any name is this model's unless --strict-model-name (replies name the served id either way)."""
+        if self.strict_model_name and name != self.model_id and name not in self.aliases:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_id}'",
                            param="model", code="model_not_found")
 
@@ -40,6 +53,12 @@ class ServerState:
                                                      **(options or {}))
         except Exception as e:  # a template rejecting the conversation (roles, order) is the request's fault
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
+        if tools and self._renders_tools is None:
+            self._renders_tools = ids != self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, **(options or {}))
+            if not self._renders_tools:  # agents send tools to any model: say once why it never calls them
+                logger.warning("this model's chat template does not render tools: requests' tool definitions "
+                               "are not shown to the model, so it cannot call them")
         return list(ids)
 
     def encode(self, text: str) -> list[int]:
@@ -51,13 +70,22 @@ class ServerState:
             raise APIError(400, "the prompt is empty", param=param)
         limit = self.engine.max_context
         if limit is not None and len(prompt) >= limit:
+            # Anthropic's wording is the one Claude Code reads (and compacts on); a reply needs a position,
+            # so the longest prompt is one short of the context.
             raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
-                           f"{len(prompt)} tokens", param=param, code="context_length_exceeded")
+                           f"{len(prompt)} tokens", param=param, code="context_length_exceeded",
+                           anthropic_message=f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum")
         wanted = max_tokens if max_tokens is not None else self.max_tokens_default
+        if self.max_tokens_cap is not None:
+            wanted = min(wanted, self.max_tokens_cap)  # agents ask for 32000 and mean "as long as it takes"
         return wanted if limit is None else min(wanted, limit - len(prompt))
 
     def run(self, request: GenerationRequest) -> JobStream:
-        return JobStream(self.engine, request)
+        try:
+            return JobStream(self.engine, request)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}; retry later", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS), "x-should-retry": "true"}) from None
 
 
 class JobStream:

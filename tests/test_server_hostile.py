@@ -1,0 +1,489 @@
+"""Hostile input and server limits, over a live server: sampling fields a worker cannot take,
+deep, large, mistyped and cross-site bodies, a full queue, keep-alives during a long prefill,
+cancellation between prefill chunks, failed requests that keep their conversation, regenerated
+replies served from the cache on every cache family, lenient model names and the context error."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+from serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
+from test_families import build
+from tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target, write_tokenizer
+
+import mlx_dflash.session as session_module
+from mlx_dflash.server import EngineConfig
+from mlx_dflash.server.guard import MAX_JSON_DEPTH, json_depth
+from mlx_dflash.server.prompt_cache import PromptCache, session_bytes
+from mlx_dflash.server.sse import KEEPALIVE, with_keepalive
+from mlx_dflash.session import DecodingSession
+from mlx_dflash.target import TargetModel
+
+CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+MESSAGE = {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+JSON = {"Content-Type": "application/json"}
+
+
+class GatedTarget(TargetModel):
+    """Records each target forward's width; can hold the n-th one until `gate` opens, or fail it."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.fed: list[int] = []
+        self.hold_at: int | None = None
+        self.fail_at: int | None = None
+        self.holding = threading.Event()
+        self.gate = threading.Event()
+
+    def reset(self, hold_at: int | None = None, fail_at: int | None = None) -> None:
+        self.fed.clear()
+        self.hold_at, self.fail_at = hold_at, fail_at
+        self.holding.clear()
+        self.gate.clear()
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        self.fed.append(tokens.shape[1])
+        if len(self.fed) == self.hold_at:
+            self.holding.set()
+            assert self.gate.wait(30), "the test never opened the gate"
+        out = super().forward(tokens, cache, *args, **kwargs)
+        if len(self.fed) == self.fail_at:  # after the cache was written: the session is left mid-cycle
+            raise RuntimeError("injected failure")
+        return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tokenizer")
+    write_tokenizer(path)
+    return load_tokenizer(path, eos_token_ids=[EOS_ID])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_target("qwen3", seed=0)
+
+
+@pytest.fixture(scope="module")
+def gated(model, tokenizer):
+    """One live server over a gated attention target (with a drafter) for the tests that do not
+    need their own settings."""
+    target = GatedTarget(model)
+    with LiveServer(target, tokenizer, tiny_drafter(model, block_size=6), keepalive_seconds=0.2) as live:
+        yield live, target
+
+
+def post(live, route: str, body, headers: dict | None = None, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(live.url + route, content=content, headers=headers if headers is not None else JSON,
+                      timeout=60, **kwargs)
+
+
+def reference_text(model, tokenizer, prompt: list[int], n: int) -> str:
+    out = greedy_reference(model, prompt, n)
+    return tokenizer.decode(out[: out.index(EOS_ID)] if EOS_ID in out else out)
+
+
+def prompt_of(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def wait_cancelled(live, failure: str, timeout: float = 30) -> None:
+    """Until the running request is marked cancelled (`failure` if it is not within `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not (live.engine._current is not None and live.engine._current.cancelled.is_set()):
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.02)
+
+
+# -- sampling fields ----------------------------------------------------------------------
+def test_sampling_fields_the_worker_cannot_take_are_refused_or_mapped(gated):
+    live, _ = gated
+    sampled = dict(CHAT, temperature=1.0, max_tokens=6)
+    texts = []
+    for seed in (-5, -5, (1 << 63) - 1, -(1 << 63)):  # any int64; a negative seed still names one sequence
+        reply = post(live, "/v1/chat/completions", dict(sampled, seed=seed))
+        assert reply.status_code == 200, reply.text
+        texts.append(reply.json()["choices"][0]["message"]["content"])
+    assert texts[0] == texts[1]
+    for body in (dict(CHAT, top_k=100000), dict(sampled, top_k=100000, seed=3), dict(CHAT, top_k=-1)):
+        assert post(live, "/v1/chat/completions", body).status_code == 200  # >= vocab: no top-k, as -1
+    assert post(live, "/v1/messages", dict(MESSAGE, top_k=100000)).status_code == 200
+    reply = post(live, "/v1/completions", {"model": MODEL_ID, "prompt": [5] * 4090, "max_tokens": 10 ** 18,
+                                           "seed": -(1 << 63), "temperature": 0.5})
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 6  # cut to the context
+    refused = [
+        ("/v1/chat/completions", dict(CHAT, seed=1 << 63), "seed"),
+        ("/v1/chat/completions", dict(CHAT, seed=(1 << 64) - 5), "seed"),
+        ("/v1/chat/completions", dict(CHAT, seed=-(1 << 63) - 1), "seed"),
+        ("/v1/chat/completions", dict(CHAT, top_k=-5), "top_k"),
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                                 '"temperature": NaN}', None),
+        ("/v1/chat/completions", json.dumps(CHAT)[:-1] + ', "temperature": 1e400}', "temperature"),  # inf
+        ("/v1/chat/completions", '{"model": "tiny", "messages": [], "max_tokens": 1' + "0" * 5000 + "}", None),
+        ("/v1/chat/completions", dict(CHAT, min_p=2.0), "min_p"),
+        ("/v1/chat/completions", dict(CHAT, stop=["x" * 5000]), "stop"),
+        ("/v1/chat/completions", dict(CHAT, stop=["s"] * 17), "stop"),
+        ("/v1/chat/completions", dict(CHAT, logprobs=True, top_logprobs=21), "top_logprobs"),
+        ("/v1/chat/completions", dict(CHAT, n=3), "n"),
+        ("/v1/chat/completions", dict(CHAT, max_tokens=1.5), "max_tokens"),
+        ("/v1/chat/completions", dict(CHAT, messages=[{"role": "user", "content": 5}]), "messages[0].content"),
+        ("/v1/chat/completions", dict(CHAT, messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+         "messages[0].content"),
+        ("/v1/completions", {"model": MODEL_ID, "prompt": [5, -1]}, "prompt"),
+        ("/v1/completions", {"model": MODEL_ID, "prompt": [5, True]}, "prompt"),
+        ("/v1/messages", dict(MESSAGE, top_k=-3), None),
+        ("/v1/messages", dict(MESSAGE, temperature=float("inf")), None),
+        ("/v1/messages", dict(MESSAGE, stop_sequences=["y" * 5000]), None),
+    ]
+    deep = "[" * 100_000 + "]" * 100_000
+    for route in ("/v1/chat/completions", "/v1/messages", "/v1/completions"):
+        refused.append((route, deep, None))
+        refused.append((route, '{"model": "tiny", "x": ' + deep + "}", None))
+    for route, body, param in refused:
+        reply = post(live, route, body)
+        assert reply.status_code == 400, (route, str(body)[:200], reply.text[:300])
+        if body is deep:
+            assert "nested too deeply" in reply.text
+        if route == "/v1/messages":
+            assert reply.json()["error"]["type"] == "invalid_request_error"
+        else:
+            error = reply.json()["error"]
+            assert error["type"] == "invalid_request_error" and len(error["message"]) < 500
+            if param is not None:
+                assert error["param"] == param, error
+    assert live.wait_idle() and httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
+# -- bodies --------------------------------------------------------------------------------
+def test_json_depth_is_read_without_recursion_and_ignores_brackets_in_strings():
+    assert json_depth(b'{"a": [1, {"b": "[[[{{{"}]}') == 3
+    assert json_depth(b'"\\"[[[" ') == 0
+    assert json_depth(b"[" * 100_000 + b"]" * 100_000) == 100_000
+
+
+def test_deep_large_and_mistyped_bodies(model, tokenizer):
+    with LiveServer(model, tokenizer, max_body_bytes=4096) as live:
+        deep = "[" * 100_000 + "]" * 100_000
+        for route in ("/v1/chat/completions", "/v1/messages"):
+            reply = post(live, route, deep[:2000] + deep[-2000:])  # within the size limit, 1000 levels
+            assert reply.status_code == 400 and "nested too deeply" in reply.text
+        nested: dict = {"x": 1}
+        for _ in range(MAX_JSON_DEPTH - 2):  # in CHAT: nested exactly as deep as allowed
+            nested = {"x": nested}
+        assert post(live, "/v1/chat/completions", dict(CHAT, metadata=nested)).status_code == 200
+        assert post(live, "/v1/chat/completions", dict(CHAT, metadata={"x": nested})).status_code == 400
+        big = dict(CHAT, messages=[{"role": "user", "content": "x" * 5000}])
+        reply = post(live, "/v1/chat/completions", big)
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == "request_too_large"
+        reply = post(live, "/v1/messages", dict(MESSAGE, system="y" * 5000))
+        assert reply.status_code == 413 and reply.json()["error"]["type"] == "request_too_large"
+
+        def chunks():  # no Content-Length: refused while it is read
+            yield json.dumps(CHAT)[:-1].encode()
+            for _ in range(10):
+                yield b' ' * 1000
+            yield b"}"
+
+        reply = httpx.post(live.url + "/v1/chat/completions", content=chunks(), headers=JSON, timeout=60)
+        assert reply.status_code == 413
+        for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+            reply = post(live, "/v1/chat/completions", CHAT, headers=headers)
+            assert reply.status_code == 415, (headers, reply.text)
+            assert reply.json()["error"]["type"] == "invalid_request_error"
+        assert post(live, "/v1/messages", MESSAGE, headers={"Content-Type": "text/plain"}).json()["type"] == "error"
+        reply = post(live, "/v1/chat/completions", CHAT, headers={"Content-Type": "application/json; charset=utf-8"})
+        assert reply.status_code == 200
+        assert httpx.get(live.url + "/health").json()["status"] == "ok"
+
+
+# -- origins -------------------------------------------------------------------------------
+def test_cross_site_requests_are_refused_unless_allowed(model, tokenizer):
+    evil = {"Origin": "https://evil.example", **JSON}
+    with LiveServer(model, tokenizer) as live:
+        reply = post(live, "/v1/chat/completions", CHAT, headers=evil)
+        assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error"
+        reply = post(live, "/v1/messages", MESSAGE, headers=evil)
+        assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error"
+        assert httpx.get(live.url + "/health", headers=evil).status_code == 403
+        preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST"}
+        assert httpx.options(live.url + "/v1/chat/completions", headers=preflight).status_code == 403
+        for origin in (live.url, "http://localhost:3000", "http://127.0.0.1:5173", "http://[::1]:80"):
+            reply = post(live, "/v1/chat/completions", CHAT, headers={"Origin": origin, **JSON})
+            assert reply.status_code == 200, origin
+        assert post(live, "/v1/chat/completions", CHAT).status_code == 200  # no Origin: not a browser page
+    with LiveServer(model, tokenizer, allow_origins=["https://app.example"], api_key="k") as live:
+        preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                     "Access-Control-Request-Headers": "authorization, content-type"}
+        reply = httpx.options(live.url + "/v1/chat/completions", headers=preflight)  # no key: browsers send none
+        assert reply.status_code == 204
+        assert reply.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in reply.headers["access-control-allow-methods"]
+        assert "authorization" in reply.headers["access-control-allow-headers"]
+        allowed = {"Origin": "https://app.example", "Authorization": "Bearer k", **JSON}
+        reply = post(live, "/v1/chat/completions", CHAT, headers=allowed)
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == "https://app.example"
+        assert post(live, "/v1/chat/completions", CHAT, headers={**evil, "Authorization": "Bearer k"}).status_code \
+            == 403
+    with LiveServer(model, tokenizer, allow_origins=["*"]) as live:
+        assert post(live, "/v1/chat/completions", CHAT, headers=evil).status_code == 200
+
+
+# -- the queue -------------------------------------------------------------------------------
+def test_a_full_queue_answers_503_or_529_with_retry_after(model, tokenizer):
+    target = GatedTarget(model)
+    with LiveServer(target, tokenizer, config=EngineConfig(max_queue=1)) as live:
+        target.reset(hold_at=1)
+        replies: list[httpx.Response] = []
+        first = threading.Thread(target=lambda: replies.append(post(live, "/v1/chat/completions", CHAT)))
+        first.start()
+        assert target.holding.wait(30)  # the worker is busy with the first request
+        second = threading.Thread(target=lambda: replies.append(post(live, "/v1/chat/completions", CHAT)))
+        second.start()
+        deadline = time.monotonic() + 30
+        while live.engine.waiting < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        try:
+            full = post(live, "/v1/chat/completions", CHAT)
+            assert full.status_code == 503 and int(full.headers["retry-after"]) >= 1
+            assert full.json()["error"]["type"] == "server_error"
+            full = post(live, "/v1/messages", MESSAGE)
+            assert full.status_code == 529 and full.headers["retry-after"]
+            assert full.json()["error"]["type"] == "overloaded_error"
+        finally:
+            target.gate.set()
+            first.join(60)
+            second.join(60)
+        assert [r.status_code for r in replies] == [200, 200]
+        assert post(live, "/v1/chat/completions", CHAT).status_code == 200
+
+
+# -- keep-alives -------------------------------------------------------------------------------
+def test_with_keepalive_comments_while_the_source_is_quiet():
+    import asyncio
+
+    async def slow():
+        yield "data: 1\n\n"
+        await asyncio.sleep(0.35)
+        yield "data: 2\n\n"
+
+    async def collect():
+        return [item async for item in with_keepalive(slow(), 0.1)]
+
+    items = asyncio.run(collect())
+    assert items[0] == "data: 1\n\n" and items[-1] == "data: 2\n\n"
+    assert 2 <= items.count(KEEPALIVE) <= 4 and len(items) == items.count(KEEPALIVE) + 2
+
+
+def test_streams_send_keepalives_during_a_slow_prefill(gated, model, tokenizer):
+    live, target = gated
+    messages = [{"role": "user", "content": "Keep the line open."}]
+    expected = reference_text(model, tokenizer, prompt_of(tokenizer, messages), 8)
+    for route, body in (("/v1/chat/completions", dict(CHAT, messages=messages, max_tokens=8, stream=True)),
+                        ("/v1/messages", dict(MESSAGE, messages=messages, max_tokens=8, stream=True))):
+        live.engine.prompt_cache.clear()
+        target.reset(hold_at=1)
+        threading.Timer(1.0, target.gate.set).start()  # the prefill takes a second
+        with httpx.stream("POST", live.url + route, content=json.dumps(body), headers=JSON, timeout=60) as reply:
+            lines = list(reply.iter_lines())
+        assert lines.count(KEEPALIVE.strip()) >= 2, (route, lines[:8])
+        datas = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        if route == "/v1/messages":
+            text = "".join(d["delta"].get("text", "") for d in datas if d["type"] == "content_block_delta")
+        else:
+            text = "".join(d["choices"][0]["delta"].get("content") or "" for d in datas if d.get("choices"))
+        assert text == expected
+    # The SDKs read past the comments.
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=1)
+    threading.Timer(0.7, target.gate.set).start()
+    client = openai_client(live)
+    stream = client.chat.completions.create(model=MODEL_ID, messages=messages, max_tokens=8, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=1)
+    threading.Timer(0.7, target.gate.set).start()
+    claude = anthropic_client(live)
+    with claude.messages.stream(model=MODEL_ID, max_tokens=8, messages=messages) as events:
+        assert events.get_final_message().content[0].text == expected
+
+
+# -- cancellation between prefill chunks ------------------------------------------------------------
+def test_a_cancelled_prefill_stops_at_the_next_chunk_and_keeps_what_it_fed(gated, model, tokenizer, monkeypatch):
+    live, target = gated
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 32)
+    prompt = [4 + (i * 7) % 90 for i in range(300)]  # ten chunks
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 8}
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=2)
+    outcome: list[BaseException] = []
+
+    def give_up() -> None:
+        try:
+            httpx.post(live.url + "/v1/completions", json=body, timeout=1.0)
+        except httpx.ReadTimeout as e:
+            outcome.append(e)
+
+    client = threading.Thread(target=give_up)
+    client.start()
+    try:
+        assert target.holding.wait(30)
+        client.join(30)  # the client gave up and hung up
+        wait_cancelled(live, "the disconnect never cancelled the request")
+    finally:
+        target.gate.set()
+    assert live.wait_idle() and outcome  # the client timed out
+    assert target.fed == [32, 32]  # the chunks after the held one never ran
+    # The two chunks it fed are kept: the same prompt asked again starts from them, and equals a cold run.
+    target.reset()
+    reply = httpx.post(live.url + "/v1/completions", json=body, timeout=60).json()
+    assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+    assert target.fed[:8] == [32] * 7 + [300 - 64 - 32 * 7]  # the rest, chunk by chunk
+    out = greedy_reference(model, prompt, 8)
+    assert reply["choices"][0]["text"] == tokenizer.decode(out[: out.index(EOS_ID)] if EOS_ID in out else out)
+
+
+def test_a_stream_dropped_during_the_prefill_is_noticed_at_a_keepalive(gated, monkeypatch):
+    live, target = gated
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 32)
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=2)
+    body = dict(CHAT, messages=[{"role": "user", "content": "x" * 300}], max_tokens=8, stream=True)
+    try:
+        with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, timeout=60) as reply:
+            lines = reply.iter_lines()  # kept: a dropped iterator closes the connection at once
+            assert next(lines).startswith("data: ")  # the role chunk
+            assert target.holding.wait(30)  # the prefill's second chunk runs; then the client hangs up
+        wait_cancelled(live, "the hang-up never cancelled the request")
+    finally:
+        target.gate.set()
+    assert live.wait_idle()
+    assert target.fed == [32, 32]
+
+
+# -- failed requests and regenerated replies keep the cache -------------------------------------------
+@contextlib.contextmanager
+def second_turn(family: str, seed: int, tokenizer):
+    """A live server over `family`'s tiny model (gated, with a drafter) after a first turn: yields
+    (model, target, live, client, the conversation with a second question, its prompt)."""
+    model = build(family, seed=seed)
+    target = GatedTarget(model)
+    with LiveServer(target, tokenizer, tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])) as live:
+        client = openai_client(live)
+        first = [{"role": "user", "content": f"Tell me about {family} caches."}]
+        one = client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=10)
+        second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                          {"role": "user", "content": "And then?"}]
+        yield model, target, live, client, second, prompt_of(tokenizer, second)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3_text"])  # attention, hybrid, sliding window
+def test_a_failed_request_keeps_the_conversation_cached(family, tokenizer):
+    with second_turn(family, 3, tokenizer) as (model, target, live, client, second, prompt):
+        target.reset(fail_at=4)  # mid-decode, after the prefill (one or two forwards) and a cycle
+        failed = httpx.post(live.url + "/v1/chat/completions", json=dict(CHAT, messages=second, max_tokens=12),
+                            timeout=60)
+        assert failed.status_code == 500 and "injected failure" in failed.text
+        assert live.wait_idle()
+        target.reset()
+        again = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=12)
+        # Everything but the last positions of the prompt came from the cache, and the reply is the cold run's.
+        assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 2
+        assert again.choices[0].message.content == reference_text(model, tokenizer, prompt, 12)
+
+
+def test_a_failure_during_the_prefill_keeps_the_earlier_turns(model, tokenizer, monkeypatch):
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 8)
+    target = GatedTarget(model)
+    with LiveServer(target, tokenizer, tiny_drafter(model, block_size=6)) as live:
+        client = openai_client(live)
+        first = [{"role": "user", "content": "Tell me about caches."}]
+        one = client.chat.completions.create(model=MODEL_ID, messages=first, max_tokens=10)
+        turn_one = one.usage.prompt_tokens + one.usage.completion_tokens
+        second = first + [{"role": "assistant", "content": one.choices[0].message.content},
+                          {"role": "user", "content": "And what happens after that, in some detail?"}]
+        target.reset(fail_at=2)  # the second prefill chunk
+        assert httpx.post(live.url + "/v1/chat/completions", json=dict(CHAT, messages=second, max_tokens=12),
+                          timeout=60).status_code == 500
+        assert live.wait_idle()
+        target.reset()
+        again = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=12)
+        assert again.usage.prompt_tokens_details.cached_tokens >= turn_one - 2
+        assert again.choices[0].message.content == reference_text(model, tokenizer, prompt_of(tokenizer, second), 12)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "gemma3_text"])
+def test_a_regenerated_reply_reuses_the_cached_prompt(family, tokenizer):
+    with second_turn(family, 4, tokenizer) as (model, target, live, client, second, prompt):
+        reply = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=12)
+        for _ in range(2):  # regenerated twice: each time only the prompt's last two positions are computed
+            target.reset()
+            again = client.chat.completions.create(model=MODEL_ID, messages=second, max_tokens=12)
+            assert again.usage.prompt_tokens_details.cached_tokens == len(prompt) - 2
+            assert target.fed[0] == 2
+            assert again.choices[0].message.content == reply.choices[0].message.content
+        assert reply.choices[0].message.content == reference_text(model, tokenizer, prompt, 12)
+
+
+def test_health_reads_a_running_byte_total():
+    from mlx_lm.sample_utils import make_sampler
+
+    target = TargetModel(build("qwen3", seed=5))
+    sessions = []
+    for i in range(4):
+        s = DecodingSession(target)
+        s.extend([10 + i] + list(range(20, 40)), make_sampler(0.0))
+        sessions.append(s)
+    size = session_bytes(sessions[0])
+    cache = PromptCache(2 * size, lambda: DecodingSession(target))
+    for s in sessions:
+        cache.store(s)
+        assert cache.nbytes == sum(n for _, n in cache._entries.values()) <= 2 * size
+    cache.fetch(sessions[-1].tokens + [50, 51])  # taken over: out of the cache
+    assert len(cache) == 1 and cache.nbytes == size
+
+
+# -- model names, the context, max_tokens --------------------------------------------------------
+def test_model_names_are_lenient_unless_strict(model, tokenizer):
+    with LiveServer(model, tokenizer) as live:
+        reply = post(live, "/v1/chat/completions", dict(CHAT, model="gpt-4o"))
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL_ID
+        reply = post(live, "/v1/messages", dict(MESSAGE, model="claude-sonnet-4-5"))
+        assert reply.status_code == 200 and reply.json()["model"] == MODEL_ID
+        assert httpx.get(live.url + "/v1/models/gpt-4o").json()["id"] == MODEL_ID
+    with LiveServer(model, tokenizer, strict_model_name=True) as live:
+        reply = post(live, "/v1/chat/completions", dict(CHAT, model="gpt-4o"))
+        assert reply.status_code == 404 and reply.json()["error"]["code"] == "model_not_found"
+        assert post(live, "/v1/messages", dict(MESSAGE, model="claude-x")).json()["error"]["type"] == "not_found_error"
+        assert httpx.get(live.url + "/v1/models/gpt-4o").status_code == 404
+        assert post(live, "/v1/chat/completions", CHAT).status_code == 200
+
+
+def test_too_long_prompts_name_both_numbers_in_each_apis_words(gated, tokenizer):
+    live, _ = gated
+    long = [{"role": "user", "content": "z" * 5000}]
+    n = len(prompt_of(tokenizer, long))
+    reply = post(live, "/v1/chat/completions", dict(CHAT, messages=long))
+    error = reply.json()["error"]
+    assert reply.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert "4096" in error["message"] and str(n) in error["message"]
+    reply = post(live, "/v1/messages", dict(MESSAGE, messages=long))
+    assert reply.status_code == 400
+    assert reply.json()["error"] == {"type": "invalid_request_error",
+                                     "message": f"prompt is too long: {n} tokens > 4095 maximum"}
+
+
+def test_max_tokens_is_capped_not_refused(model, tokenizer):
+    with LiveServer(model, tokenizer, max_tokens_cap=3) as live:
+        reply = post(live, "/v1/messages", dict(MESSAGE, max_tokens=32000))
+        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] <= 3
+        reply = post(live, "/v1/chat/completions", dict(CHAT, max_tokens=32000))
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+    with LiveServer(model, tokenizer) as live:  # without a cap: the context window bounds it
+        assert post(live, "/v1/messages", dict(MESSAGE, max_tokens=32000)).status_code == 200
