@@ -1,4 +1,4 @@
-"""OpenAI Responses (`POST /v1/responses`): request validation, output items and the streaming event sequence.
+"""OpenAI Responses (`POST /v1/responses`), the request side: validation and the generation request.
 
 The server is stateless: every request carries the whole conversation (`input` items), as Codex
 sends it with `store: false`. Input items become chat messages, which the chat template renders
@@ -15,49 +15,30 @@ carry the namespace back); hosted tools the model cannot run here (web_search, l
 are left out. A custom (freeform) tool, such as Codex's apply_patch, is offered to the model as a
 function with one string argument `input` (its grammar, if any, told in that argument's description,
 not enforced), and a call to it comes back as a `custom_tool_call` item with that string as its input.
+The output items and stream events are built in responses_output.py, whose names (`OutputBuilder`,
+`reply`, `stream`, `Options`) are re-exported here, so this module stays the route's API module.
 """
 
 from __future__ import annotations
 
-import copy
 import json
-import time
-import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import fields
-from .engine import Finished, GenerationRequest, Step
+from .engine import GenerationRequest
 from .errors import APIError
 from .openai_api import RESERVED_TEMPLATE_ARGS, _sampling, template_messages
-from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem, reply_parser
-from .sse import sse_event
-from .state import JobStream, ServerState, dflash_extension, usage_numbers
-from .structured import PlainReply, constraint_for, forced_call_parser, format_kind, tool_choice_constraint
+from .responses_output import CUSTOM_INPUT, Options
+from .responses_output import OutputBuilder as OutputBuilder  # re-exported: app.py and the tests reach them here
+from .responses_output import new_id as new_id
+from .responses_output import reply as reply
+from .responses_output import stream as stream
+from .state import ServerState
+from .structured import constraint_for, format_kind, tool_choice_constraint
 
 INPUT_ROLES = ("system", "developer", "user", "assistant")
 # Reasoning efforts that mean "do not think" for a template with a thinking switch.
 NO_THINKING = ("none", "minimal")
-# Custom (freeform) tools reach the model as a function with one string argument of this name.
-CUSTOM_INPUT = "input"
-
-
-@dataclass
-class Options:
-    """What shapes the reply beyond what the engine generates."""
-
-    stream: bool = False
-    tools: list[dict] | None = None  # function tools as the template and the parser take them (chat shape)
-    custom: set[str] = field(default_factory=set)  # names of custom tools: their calls become custom_tool_call
-    namespaces: dict[str, str] = field(default_factory=dict)  # tool name -> the namespace it was declared in
-    constrained: bool = False  # structured output: the reply is plain JSON text
-    echo: dict = field(default_factory=dict)  # request settings the response object repeats
-    forced: bool = False  # tool_choice forces a call: the reply is calls in the model's format
-
-
-def new_id(prefix: str) -> str:
-    return prefix + uuid.uuid4().hex
 
 
 # -- input ----------------------------------------------------------------------------------
@@ -322,219 +303,3 @@ def responses_request(state: ServerState, body: dict) -> tuple[GenerationRequest
         "prompt_cache_key": body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
     }
     return request, Options(stream, tools, custom, namespaces, constraint is not None and not forced, echo, forced)
-
-
-# -- output ---------------------------------------------------------------------------------
-def _parser(state: ServerState, request: GenerationRequest, options: Options) -> ReplyParser | PlainReply:
-    if options.constrained:  # the reply is the JSON itself: no thinking span or tool markup to find in it
-        return PlainReply()
-    if options.forced:
-        return forced_call_parser(state, options.tools, "call_")
-    return reply_parser(state, request.prompt, options.tools, "call_")
-
-
-def _usage(request: GenerationRequest, finished: Finished, reasoning_tokens: int) -> dict:
-    prompt, completion, cached = usage_numbers(request, finished)
-    return {"input_tokens": prompt, "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": completion,
-            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, completion)},
-            "total_tokens": prompt + completion}
-
-
-class OutputBuilder:
-    """Builds a response's output items from the parser's events, and the stream events that announce them.
-
-    An item is open while its kind of output continues: reasoning, then a message, function calls
-    (each complete when the parser yields it). Whitespace between items shows nowhere: it opens no
-    message unless text follows it.
-    """
-
-    def __init__(self, state: ServerState, request: GenerationRequest, options: Options):
-        self.state, self.request, self.options = state, request, options
-        self.parser = _parser(state, request, options)
-        self.response = dict(
-            id=new_id("resp_"), object="response", created_at=int(time.time()), status="in_progress",
-            background=False, error=None, incomplete_details=None, model=state.model_id, output=[],
-            previous_response_id=None, store=False, truncation="disabled", usage=None, user=None,
-            tools=[], tool_choice="auto", parallel_tool_calls=True)
-        self.response.update(options.echo)
-        self.sequence = 0
-        self.current: dict | None = None  # the open message or reasoning item
-        self.blank = ""  # whitespace text between items, shown only if text follows
-        self.reasoning_tokens = 0
-        self.reasoning = False  # the last output was reasoning
-
-    def event(self, kind: str, **data: Any) -> dict:
-        out = {"type": kind, "sequence_number": self.sequence, **copy.deepcopy(data)}
-        self.sequence += 1
-        return out
-
-    def start(self) -> list[dict]:
-        return [self.event("response.created", response=self.response),
-                self.event("response.in_progress", response=self.response)]
-
-    def step(self, step: Step) -> list[dict]:
-        parts = self.parser.feed(step.text) if step.text else []
-        if parts:
-            self.reasoning = all(isinstance(p, ReasoningDelta) for p in parts)
-        if self.reasoning:  # tokens of steps that added reasoning only (a cycle's tokens are not split)
-            self.reasoning_tokens += len(step.tokens)
-        return self._parts(parts)
-
-    def _parts(self, parts: list) -> list[dict]:
-        events: list[dict] = []
-        for part in parts:
-            if isinstance(part, TextDelta):
-                events += self._text(part.text)
-            elif isinstance(part, ReasoningDelta):
-                events += self._reasoning(part.text)
-            elif isinstance(part, ToolCallItem):
-                events += self._call(part)
-        return events
-
-    # items --------------------------------------------------------------------------------
-    def _open(self, item: dict) -> list[dict]:
-        self.response["output"].append(item)
-        return [self.event("response.output_item.added", output_index=len(self.response["output"]) - 1,
-                           item=item)]
-
-    def _where(self, item: dict) -> dict:
-        """Where an item's events point; the item being built is always the last one so far."""
-        return {"item_id": item["id"], "output_index": len(self.response["output"]) - 1}
-
-    def _text(self, text: str) -> list[dict]:
-        events: list[dict] = []
-        if self.current is None or self.current["type"] != "message":
-            if not (self.blank + text).strip():
-                self.blank += text
-                return []
-            text, self.blank = self.blank + text, ""
-            events += self._close()
-            events += self._open_message()
-        part = self.current["content"][0]
-        part["text"] += text
-        events.append(self.event("response.output_text.delta", **self._where(self.current), content_index=0, delta=text,
-                                 logprobs=[]))
-        return events
-
-    def _open_message(self) -> list[dict]:
-        self.current = {"id": new_id("msg_"), "type": "message", "role": "assistant", "status": "in_progress",
-                        "content": []}
-        events = self._open(self.current)
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        self.current["content"].append(part)
-        events.append(self.event("response.content_part.added", **self._where(self.current), content_index=0,
-                                 part=part))
-        return events
-
-    def _reasoning(self, text: str) -> list[dict]:
-        events: list[dict] = []
-        if not text:
-            return events
-        if self.current is None or self.current["type"] != "reasoning":
-            events += self._close()
-            self.blank = ""
-            self.current = {"id": new_id("rs_"), "type": "reasoning", "summary": [], "content": [],
-                            "status": "in_progress"}
-            events += self._open(self.current)
-            part = {"type": "reasoning_text", "text": ""}
-            self.current["content"].append(part)
-            events.append(self.event("response.content_part.added", **self._where(self.current), content_index=0,
-                                     part=part))
-        self.current["content"][0]["text"] += text
-        events.append(self.event("response.reasoning_text.delta", **self._where(self.current), content_index=0,
-                                 delta=text))
-        return events
-
-    def _call(self, call: ToolCallItem) -> list[dict]:
-        events = self._close()
-        self.blank = ""
-        custom = call.name in self.options.custom
-        item_id = new_id("ctc_" if custom else "fc_")
-        if custom:
-            value = call.arguments.get(CUSTOM_INPUT)
-            text = value if isinstance(value, str) else call.arguments_json
-            item = {"id": item_id, "type": "custom_tool_call", "call_id": call.id, "name": call.name, "input": ""}
-        else:
-            text = call.arguments_json
-            item = {"id": item_id, "type": "function_call", "call_id": call.id, "name": call.name, "arguments": "",
-                    "status": "in_progress"}
-        if call.name in self.options.namespaces:
-            item["namespace"] = self.options.namespaces[call.name]
-        events += self._open(item)
-        where = self._where(item)
-        if custom:
-            item["input"] = text
-            events.append(self.event("response.custom_tool_call_input.delta", **where, delta=text))
-            events.append(self.event("response.custom_tool_call_input.done", **where, input=text))
-        else:
-            item["arguments"], item["status"] = text, "completed"
-            events.append(self.event("response.function_call_arguments.delta", **where, delta=text))
-            events.append(self.event("response.function_call_arguments.done", **where, arguments=text))
-        events.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
-        return events
-
-    def _close(self, status: str = "completed") -> list[dict]:
-        item, self.current = self.current, None
-        if item is None:
-            return []
-        where = self._where(item)
-        part = item["content"][0]
-        item["status"] = status
-        if item["type"] == "message":
-            done = [self.event("response.output_text.done", **where, content_index=0, text=part["text"], logprobs=[])]
-        else:
-            done = [self.event("response.reasoning_text.done", **where, content_index=0, text=part["text"])]
-        done.append(self.event("response.content_part.done", **where, content_index=0, part=part))
-        done.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
-        return done
-
-    # the end ------------------------------------------------------------------------------
-    def finish(self, finished: Finished) -> list[dict]:
-        """The last items and the closing event: response.completed, .incomplete (cut by max_output_tokens)
-        or .failed."""
-        if finished.finish_reason == "error":
-            events = self._close("incomplete")
-            self.response.update(status="failed", error={"code": "server_error",
-                                                         "message": f"generation failed: {finished.error}"})
-            return events + [self.event("response.failed", response=self.response)]
-        events = self._parts(self.parser.finish())
-        if not self.response["output"] and self.current is None:  # an empty (or blank) reply is still a message
-            events += self._open_message()
-            blank, self.blank = self.blank, ""
-            if blank:
-                events += self._text(blank)
-        cut = finished.finish_reason == "length"
-        events += self._close("incomplete" if cut else "completed")
-        status = {"length": "incomplete", "cancelled": "cancelled"}.get(finished.finish_reason, "completed")
-        self.response.update(status=status, usage=_usage(self.request, finished, self.reasoning_tokens),
-                             dflash=dflash_extension(self.state, finished))
-        if cut:
-            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        if status == "completed":
-            self.response["completed_at"] = int(time.time())
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        return events + [self.event(kind, response=self.response)]
-
-
-def reply(state: ServerState, request: GenerationRequest, options: Options, steps: list[Step],
-          finished: Finished) -> dict:
-    if finished.finish_reason == "error":
-        raise APIError(500, f"generation failed: {finished.error}")
-    out = OutputBuilder(state, request, options)
-    for step in steps:
-        out.step(step)
-    out.finish(finished)
-    return out.response
-
-
-async def stream(
-    state: ServerState, request: GenerationRequest, options: Options, job: JobStream
-) -> AsyncIterator[str]:
-    out = OutputBuilder(state, request, options)
-    for event in out.start():
-        yield sse_event(event, event["type"])
-    async for item in job:
-        events = out.step(item) if isinstance(item, Step) else out.finish(item)
-        for event in events:
-            yield sse_event(event, event["type"])
