@@ -479,6 +479,20 @@ def test_too_long_prompts_name_both_numbers_in_each_apis_words(gated, tokenizer)
                                      "message": f"prompt is too long: {n} tokens > 4095 maximum"}
 
 
+def test_a_reply_cut_by_the_context_window_says_so_on_messages(gated, tokenizer):
+    live, _ = gated
+    room = 3
+    base = len(prompt_of(tokenizer, [{"role": "user", "content": ""}]))
+    fill = [{"role": "user", "content": "z" * (4096 - room - base)}]
+    assert len(prompt_of(tokenizer, fill)) == 4096 - room
+    reply = post(live, "/v1/messages", dict(MESSAGE, messages=fill, max_tokens=32000)).json()
+    assert reply["usage"]["output_tokens"] == room and reply["stop_reason"] == "model_context_window_exceeded"
+    reply = post(live, "/v1/messages", dict(MESSAGE, messages=fill, max_tokens=2)).json()
+    assert reply["stop_reason"] == "max_tokens"  # its own budget ran out first
+    with anthropic_client(live).messages.stream(model=MODEL_ID, max_tokens=32000, messages=fill) as stream:
+        assert stream.get_final_message().stop_reason == "model_context_window_exceeded"
+
+
 def test_max_tokens_is_capped_not_refused(model, tokenizer):
     with LiveServer(model, tokenizer, max_tokens_cap=3) as live:
         reply = post(live, "/v1/messages", dict(MESSAGE, max_tokens=32000))

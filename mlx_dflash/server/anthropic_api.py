@@ -45,6 +45,7 @@ class Options:
     stream: bool = False
     parser: Any = None  # the request's ReplyParser (structured.PlainReply for constrained JSON)
     show_thinking: bool = True  # thinking.display "omitted": thinking blocks carry only their signature
+    context_bound: bool = False  # the context window, not max_tokens, bounds the reply
 
 
 # -- requests -------------------------------------------------------------------------------
@@ -271,7 +272,8 @@ def messages_request(state: ServerState, body: dict) -> tuple[GenerationRequest,
         parser = PlainReply()
     else:
         parser = reply_parser(state, prompt, tools, "toolu_")
-    return request, Options(fields.boolean(body, "stream"), parser, show_thinking)
+    return request, Options(fields.boolean(body, "stream"), parser, show_thinking,
+                            state.context_bound(prompt, max_tokens))
 
 
 # -- replies --------------------------------------------------------------------------------
@@ -356,14 +358,17 @@ def _items(options: Options, text: str) -> list:
     return options.parser.feed(text) if text else []
 
 
-def _stop_reason(finished: Finished, tool_use: bool) -> str:
+def _stop_reason(finished: Finished, tool_use: bool, options: Options) -> str:
     if finished.finish_reason == "error":
         raise APIError(500, f"generation failed: {finished.error}")
     if tool_use:
         return "tool_use"
     if finished.stop is not None:
         return "stop_sequence"
-    return "max_tokens" if finished.finish_reason == "length" else "end_turn"
+    if finished.finish_reason != "length":
+        return "end_turn"
+    # Out of context is not out of budget: Claude Code compacts on the one and reports its own limit on the other.
+    return "model_context_window_exceeded" if options.context_bound else "max_tokens"
 
 
 def _usage(request: GenerationRequest, finished: Finished) -> dict:
@@ -382,7 +387,7 @@ def reply(state: ServerState, request: GenerationRequest, options: Options, step
         blocks.push(item)
     blocks.finish()
     return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant", "model": state.model_id,
-            "content": blocks.content, "stop_reason": _stop_reason(finished, blocks.tool_use),
+            "content": blocks.content, "stop_reason": _stop_reason(finished, blocks.tool_use, options),
             "stop_sequence": finished.stop, "usage": _usage(request, finished),
             "dflash": dflash_extension(state, finished)}
 
@@ -414,6 +419,6 @@ async def stream(
         for data in blocks.finish():
             yield event(data)
         yield event({"type": "message_delta",
-                     "delta": {"stop_reason": _stop_reason(item, blocks.tool_use), "stop_sequence": item.stop},
+                     "delta": {"stop_reason": _stop_reason(item, blocks.tool_use, options), "stop_sequence": item.stop},
                      "usage": _usage(request, item), "dflash": dflash_extension(state, item)})
         yield event({"type": "message_stop"})

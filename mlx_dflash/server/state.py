@@ -75,10 +75,20 @@ class ServerState:
             raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has "
                            f"{len(prompt)} tokens", param=param, code="context_length_exceeded",
                            anthropic_message=f"prompt is too long: {len(prompt)} tokens > {limit - 1} maximum")
+        wanted = self._wanted(max_tokens)
+        return wanted if limit is None else min(wanted, limit - len(prompt))
+
+    def _wanted(self, max_tokens: int | None) -> int:
         wanted = max_tokens if max_tokens is not None else self.max_tokens_default
         if self.max_tokens_cap is not None:
             wanted = min(wanted, self.max_tokens_cap)  # agents ask for 32000 and mean "as long as it takes"
-        return wanted if limit is None else min(wanted, limit - len(prompt))
+        return wanted
+
+    def context_bound(self, prompt: list[int], max_tokens: int | None) -> bool:
+        """Whether the context window, not max_tokens (or the cap), bounds this reply: a reply cut there
+        ran out of context (Anthropic's `model_context_window_exceeded`), not out of its own budget."""
+        limit = self.engine.max_context
+        return limit is not None and limit - len(prompt) < self._wanted(max_tokens)
 
     def run(self, request: GenerationRequest) -> JobStream:
         try:
