@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from .constraint import TokenConstraint
 from .drafter import DEFAULT_BLOCK_SIZE, DFlashDraftModel
 from .errors import DFlashError
 from .lookup import PromptLookup
@@ -196,6 +197,7 @@ def stream_generate(
     calibration: Any = None,
     policy: BlockSizePolicy | None = None,
     prompt_lookup: bool = True,
+    json_schema: dict | bool | None = None,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash and prompt lookup (the target alone with neither).
 
@@ -209,8 +211,17 @@ def stream_generate(
     `prompt_lookup`: also verify proposals read off the prompt and the reply so far
     (`mlx_dflash.lookup`) when `auto` expects them to pay; without a drafter they are the
     only proposals (a fixed `block_size` then caps them).
+    `json_schema`: constrain the reply to JSON following this schema (True: any JSON object) by
+    masking the target's distribution at every verified position (needs llguidance: the `serve`
+    extra); the reply is exactly the constrained target's, and drafted tokens outside it are rejected.
     """
     target = as_target(model)
+    constraint = None
+    if json_schema is not None and json_schema is not False:
+        if target.world is not None:
+            raise DFlashError("json_schema is not supported across ranks yet")
+        schema = None if json_schema is True else json_schema
+        constraint = TokenConstraint.for_json(tokenizer, schema, target.vocab_size)
     # Distributed, every rank prefills rank 0's ids (tokenizers of other versions may split text otherwise).
     ids = target.agree_tokens(tokenizer.encode(prompt) if isinstance(prompt, str) else prompt)
     if not ids:
@@ -235,7 +246,8 @@ def stream_generate(
                                     block_size, seed, temp)
     with wired_limit([target.model, draft_model]):
         yield from stream_session(session, ids, sampler, max_tokens=max_tokens, stop=stop,
-                                  detokenizer=tokenizer.detokenizer, profile=profile, policy=policy)
+                                  detokenizer=tokenizer.detokenizer, profile=profile, policy=policy,
+                                  constraint=constraint)
 
 
 def stream_session(

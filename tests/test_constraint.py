@@ -33,7 +33,7 @@ from mlx_dflash.constraint import (
     grammar_tokenizer,
     json_schema_grammar,
 )
-from mlx_dflash.generate import make_proposer, stream_session
+from mlx_dflash.generate import make_proposer, stream_generate, stream_session
 from mlx_dflash.lookup import PromptLookup
 from mlx_dflash.policy import FixedBlockSize
 from mlx_dflash.sampling import make_sampler
@@ -227,6 +227,20 @@ def test_greedy_dflash_equals_the_constrained_target(model, drafter, tokenizer, 
     check_schema(tokenizer.decode(out[:-1]))
     if block_size > 1:  # a random drafter proposes tokens outside the grammar: each was rejected
         assert constraint.rejected_drafts > 0
+
+
+def test_the_python_api_takes_a_json_schema(model, drafter, tokenizer):
+    prompt = prompt_ids(tokenizer)
+    schema = dict(SCHEMA, **COMPACT)
+    ref = reference(model, tokenizer, prompt, schema, 64)
+    for block_size in (None, 4):  # auto, then a fixed block that drafts every cycle
+        events = list(stream_generate(model, tokenizer, prompt, draft_model=drafter, max_tokens=64,
+                                      json_schema=schema, block_size=block_size))
+        out = [t for event in events for t in event.tokens]
+        assert events[-1].finish_reason == "stop" and out + [EOS_ID] == ref
+        check_schema("".join(event.text for event in events))
+    unconstrained = [t for e in stream_generate(model, tokenizer, prompt, max_tokens=64) for t in e.tokens]
+    assert unconstrained != out  # the schema is what shaped it
 
 
 def test_greedy_with_flexible_whitespace_and_any_object(model, drafter, tokenizer):
