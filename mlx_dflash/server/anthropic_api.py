@@ -19,14 +19,13 @@ from typing import Any
 from . import fields
 from .engine import Finished, GenerationRequest, Step
 from .errors import APIError
-from .reply import ReasoningDelta, TextDelta, ToolCallItem, reply_parser
+from .reply import ReasoningDelta, TextDelta, ToolCallItem
 from .sse import sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers
 from .structured import (
-    PlainReply,
     constraint_for,
-    forced_call_parser,
     format_kind,
+    output_parser,
     tool_choice_constraint,
     without_thinking,
 )
@@ -267,11 +266,7 @@ def messages_request(state: ServerState, body: dict) -> tuple[GenerationRequest,
     forced, name, parallel = _forced_tool(body)
     if forced:  # the reply is the call(s) alone: the call grammar replaces any output format
         request.constraint = tool_choice_constraint(state, tools, name, "tool_choice", parallel)
-        parser = forced_call_parser(state, tools, "toolu_")
-    elif request.constraint is not None:  # constrained output is the JSON text itself: no reasoning, no calls
-        parser = PlainReply()
-    else:
-        parser = reply_parser(state, prompt, tools, "toolu_")
+    parser = output_parser(state, prompt, tools, "toolu_", forced=forced, constrained=request.constraint is not None)
     return request, Options(fields.boolean(body, "stream"), parser, show_thinking,
                             state.context_bound(prompt, max_tokens))
 

@@ -11,14 +11,13 @@ from typing import Any
 from . import fields
 from .engine import Finished, GenerationRequest, Step, TokenLogprob
 from .errors import APIError
-from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem, reply_parser
+from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem
 from .sse import done_event, sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers
 from .structured import (
-    PlainReply,
     constraint_for,
-    forced_call_parser,
     format_kind,
+    output_parser,
     tool_choice_constraint,
     without_thinking,
 )
@@ -177,13 +176,7 @@ def chat_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Opt
     request.top_logprobs = (top or 0) if logprobs else None
     request.constraint = constraint
     stream = fields.boolean(body, "stream")
-    # Constrained output is the JSON itself: no reasoning span, no tool calls to look for; forced calls are calls.
-    if forced:
-        parser: ReplyParser | PlainReply = forced_call_parser(state, tools, "call_")
-    elif request.constraint is not None:
-        parser = PlainReply()
-    else:
-        parser = reply_parser(state, prompt, tools, "call_")
+    parser = output_parser(state, prompt, tools, "call_", forced=forced, constrained=constraint is not None)
     return request, Options("chat", stream, _stream_options(body, stream), logprobs, parser)
 
 

@@ -19,10 +19,10 @@ from typing import Any
 
 from .engine import Finished, GenerationRequest, Step
 from .errors import APIError
-from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem, reply_parser
+from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem
 from .sse import sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers
-from .structured import PlainReply, forced_call_parser
+from .structured import PlainReply, output_parser
 
 # Custom (freeform) tools reach the model as a function with one string argument of this name.
 CUSTOM_INPUT = "input"
@@ -46,11 +46,8 @@ def new_id(prefix: str) -> str:
 
 
 def _parser(state: ServerState, request: GenerationRequest, options: Options) -> ReplyParser | PlainReply:
-    if options.constrained:  # the reply is the JSON itself: no thinking span or tool markup to find in it
-        return PlainReply()
-    if options.forced:
-        return forced_call_parser(state, options.tools, "call_")
-    return reply_parser(state, request.prompt, options.tools, "call_")
+    return output_parser(state, request.prompt, options.tools, "call_", forced=options.forced,
+                         constrained=options.constrained)
 
 
 def _usage(request: GenerationRequest, finished: Finished, reasoning_tokens: int) -> dict:

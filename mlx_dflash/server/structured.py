@@ -34,7 +34,7 @@ from ..constraint import (
 )
 from . import fields
 from .errors import APIError
-from .reply import PYTHON_TAG, ReplyFormat, ReplyParser, TextDelta, ToolCallItem
+from .reply import PYTHON_TAG, ReplyFormat, ReplyParser, TextDelta, ToolCallItem, reply_parser
 from .state import ServerState
 
 KINDS = ("text", "json_object", "json_schema")
@@ -228,3 +228,14 @@ def forced_call_parser(state: ServerState, tools: list[dict] | None, call_id_pre
     """The reply parser for a forced call: the model's format, reading calls from the first token
     (the grammar leaves no room for a thinking span, even where the prompt opened one)."""
     return ReplyParser(ReplyFormat.of(state.tokenizer), tools=tools, call_id_prefix=call_id_prefix)
+
+
+def output_parser(state: ServerState, prompt: list[int], tools: list[dict] | None, call_id_prefix: str, *,
+                  forced: bool, constrained: bool) -> ReplyParser | PlainReply:
+    """How a request's reply is read: a forced call as calls from its first token, other constrained
+    output as the JSON text itself (no thinking span, no tool markup), anything else in the model's format."""
+    if forced:
+        return forced_call_parser(state, tools, call_id_prefix)
+    if constrained:
+        return PlainReply()
+    return reply_parser(state, prompt, tools, call_id_prefix)
