@@ -122,6 +122,10 @@ class DraftContextCache:
         start = self.attend_start(layer)
         return self.keys[layer][..., start:end, :], self.values[layer][..., start:end, :]
 
+    def span_mask(self, layer: int, block: int) -> None:
+        """Every block position sees the whole span (a batch of contexts of different lengths masks some)."""
+        return None
+
     def trim(self, n: int) -> int:
         """Forget the last `n` committed positions (e.g. a reply dropped in chat)."""
         if n >= self.offset:

@@ -129,12 +129,13 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(head_dim, eps=args.rms_norm_eps)
 
     def __call__(
-        self, x: mx.array, rope: nn.Module, position: int, cache: DraftContextCache, layer: int,
+        self, x: mx.array, rope: nn.Module, position: int | mx.array, cache: DraftContextCache, layer: int,
         mask: mx.array | None = None,
     ) -> mx.array:
-        """`mask` (L, span) limits what each block query sees (DFlash2 layers); v1 passes none."""
+        """`mask` (L, span) limits what each block query sees (DFlash2 layers); v1 passes none.
+        `position`: the block's first position, or one per row (B,) for a batch (`RaggedDraftCache`)."""
         B, L, _ = x.shape
-        backend = kernels.backend()
+        backend = kernels.backend() if isinstance(position, int) else None  # the kernel takes one offset
         tables = kernels.rope_tables(rope, self.q_norm.weight.shape[0]) if backend else None
         if tables is not None:
             # One launch for both norms, both RoPEs and the attention layout.
@@ -153,6 +154,8 @@ class Attention(nn.Module):
         # The block's K/V are written after the cached context, in place, and the
         # whole span is attended non-causally: every block position sees everything.
         keys, values = cache.attend_span(layer, k, v)
+        if mask is None:
+            mask = cache.span_mask(layer, L)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, L, -1))
 
@@ -177,7 +180,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(args.hidden_size, eps=args.rms_norm_eps)
 
     def __call__(
-        self, x: mx.array, rope: nn.Module, position: int, cache: DraftContextCache, layer: int
+        self, x: mx.array, rope: nn.Module, position: int | mx.array, cache: DraftContextCache, layer: int
     ) -> mx.array:
         h = x + self.self_attn(self.input_layernorm(x), rope, position, cache, layer)
         return h + self.mlp(self.post_attention_layernorm(h))
@@ -218,9 +221,9 @@ class DFlashDraftModel(nn.Module):
         return self.hidden_norm(self.fc(target_hidden))
 
     def __call__(
-        self, block_embeddings: mx.array, cache: DraftContextCache, position: int
+        self, block_embeddings: mx.array, cache: DraftContextCache, position: int | mx.array
     ) -> mx.array:
-        """Run the draft layers on a block starting at absolute `position`.
+        """Run the draft layers on a block starting at absolute `position` (per row for a batch).
 
         Returns the final-normed hidden states (B, L, D); the caller applies the
         target's lm_head. The cache must already hold the context K/V.

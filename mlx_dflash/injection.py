@@ -26,7 +26,7 @@ def inject_context_kv_reference(
     k_norm_weight: mx.array,
     eps: float,
     rope: nn.Module,
-    offset: int,
+    offset: int | mx.array,
     dtype: mx.Dtype,
 ) -> tuple[mx.array, mx.array]:
     """Normalise and rotate a batched context K/V projection.
@@ -34,7 +34,7 @@ def inject_context_kv_reference(
     kv: (B, n, layers, 2, kv_heads, head_dim), the K (index 0) and V (index 1)
         projections of n context positions for every draft layer.
     k_norm_weight: (layers, head_dim), each layer's k_norm weight.
-    offset: absolute position of the first of the n positions.
+    offset: absolute position of the first of the n positions (an int, or one per row (B,)).
     Returns keys, values of shape (layers, B, kv_heads, n, head_dim) in `dtype`,
     laid out as the per-layer caches store them.
     """
@@ -43,6 +43,8 @@ def inject_context_kv_reference(
     values = kv[:, :, :, 1].transpose(2, 0, 3, 1, 4)
     keys = mx.fast.rms_norm(keys, None, eps) * k_norm_weight[:, None, None, None, :]
     flat = keys.reshape(num_layers * B, num_kv_heads, n, head_dim)
+    if isinstance(offset, mx.array):  # flat rows are layer-major: each layer repeats the batch's offsets
+        offset = mx.tile(offset, (num_layers,))
     keys = rope(flat, offset=offset).reshape(num_layers, B, num_kv_heads, n, head_dim)
     return keys.astype(dtype), values.astype(dtype)
 
@@ -113,16 +115,24 @@ class ContextInjector:
         kv = self.projection(context)
         return kv.reshape(B, n, self.num_layers, 2, self.num_kv_heads, self.head_dim)
 
+    def _fuse(self, target_hidden: mx.array) -> mx.array:
+        if self.wide:
+            # float16 overflows in the projection of large features: project in float32, then the
+            # normed context (order one) goes back to the features' dtype.
+            return self.drafter.fuse_context(target_hidden.astype(mx.float32)).astype(target_hidden.dtype)
+        return self.drafter.fuse_context(target_hidden)
+
+    def rows(self, target_hidden: mx.array, offsets: mx.array, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """A batch's context K/V: features (B, n, k*D), row b's first at offsets[b] (B,) ->
+        keys, values (layers, B, kv_heads, n, head_dim) (the kernel takes one offset: the reference)."""
+        return inject_context_kv_reference(kv=self.project(self._fuse(target_hidden)), k_norm_weight=self.k_norm_weight,
+                                           eps=self.eps, rope=self.drafter.rope, offset=offsets, dtype=dtype)
+
     def __call__(self, target_hidden: mx.array, offset: int, cache: DraftContextCache) -> None:
         """Fuse target features (B, n, k*D) at absolute `offset` and append them to `cache`."""
         if offset != cache.offset:
             raise ValueError(f"injecting at position {offset} but the draft cache ends at {cache.offset}")
-        if self.wide:
-            # float16 overflows in the projection of large features: project in float32, then the
-            # normed context (order one) goes back to the features' dtype.
-            context = self.drafter.fuse_context(target_hidden.astype(mx.float32)).astype(target_hidden.dtype)
-        else:
-            context = self.drafter.fuse_context(target_hidden)
+        context = self._fuse(target_hidden)
         backend = kernels.backend()
         tables = kernels.rope_tables(self.drafter.rope, self.head_dim) if backend else None
         if tables is not None:

@@ -78,6 +78,14 @@ def default_prompt_cache_bytes(*models: Any) -> int:
     return int(min(max(PROMPT_CACHE_SHARE * free, PROMPT_CACHE_MIN), PROMPT_CACHE_MAX))
 
 
+def default_batch_bytes(prompt_cache_bytes: int, *models: Any) -> int:
+    """Half the memory the models and the prompt cache leave free, at least 256 MiB (batched K/V caches)."""
+    usable, _ = device_memory()
+    if usable is None:
+        return 4 << 30
+    return int(max(0.5 * (usable - model_bytes(*models) - prompt_cache_bytes), PROMPT_CACHE_MIN))
+
+
 @contextmanager
 def wired_limit(models: Iterable[Any]) -> Iterator[None]:
     """Wire the device's recommended working set while decoding (what mlx-lm does), then restore.

@@ -72,6 +72,11 @@ class DecodingSession:
         # The running generation's grammar (`constraint.TokenConstraint`), or None: set by `stream_session`.
         # It masks every row the target samples from and follows the committed tokens.
         self.constraint: Any = None
+        # Asked between `extend`'s prefill chunks to let other work run (a server's other requests).
+        self.between_chunks: Callable[[], None] | None = None
+        # In a `batch.SessionBatch`: the batch holds this session's caches and runs its cycles
+        # with the other members'; `cycle` returns this session's part of the last one.
+        self.batch: Any = None
 
     @property
     def position(self) -> int:
@@ -128,6 +133,8 @@ class DecodingSession:
         if self._pending:
             self.inject_pending()  # in order: queued positions come before these
         for lo in range(0, len(inputs), PREFILL_CHUNK):
+            if lo and self.between_chunks is not None:
+                self.between_chunks()
             if lo and cancellable and self.cancel_check is not None and self.cancel_check():
                 raise PrefillCancelled(lo)
             chunk = mx.array(inputs[lo : lo + PREFILL_CHUNK], dtype=mx.uint32)[None]
@@ -205,7 +212,10 @@ class DecodingSession:
     def cycle(self, sampler: Any, policy: BlockSizePolicy, budget: int, stop: set[int],
               timings: dict[str, float] | None = None) -> tuple[int, Verified, int]:
         """One cycle of the size `policy` chooses, kept up to the first stop token or the
-        `budget`, the policy told what it cost: (block size, what was verified, tokens kept)."""
+        `budget`, the policy told what it cost: (block size, what was verified, tokens kept).
+        A member of a batch returns its part of the batch's last cycle instead (already kept)."""
+        if self.batch is not None:
+            return self.batch.take(self, budget)
         looked_up = self.lookup.propose(self.tokens, LOOKUP_TOKENS) if self.lookup is not None else []
         offers = {DFLASH: MAX_PROPOSAL} if self.proposer is not None else {}
         if looked_up:

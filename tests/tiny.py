@@ -254,7 +254,11 @@ class FakeTokenizer:
     def __init__(self, eos_token_ids=(EOS_ID,), vocab: int = VOCAB):
         self.eos_token_ids = set(eos_token_ids)
         self.vocab = vocab
-        self.detokenizer = FakeDetokenizer(self)
+
+    @property
+    def detokenizer(self) -> FakeDetokenizer:
+        """A fresh one per caller (as mlx-lm's wrapper gives): a server detokenizes requests side by side."""
+        return FakeDetokenizer(self)
 
     def encode(self, text: str) -> list[int]:
         return [ord(c) - 28 for c in text]

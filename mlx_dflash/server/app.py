@@ -70,7 +70,8 @@ def create_app(state: ServerState) -> Starlette:
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.model_id, "busy": engine.busy,
-                             "waiting": engine.waiting, "prompt_cache": describe(engine.prompt_cache)})
+                             "waiting": engine.waiting, "prompt_cache": describe(engine.prompt_cache),
+                             "batch": engine.batching})
 
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlx-dflash"}

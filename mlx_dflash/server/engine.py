@@ -1,9 +1,10 @@
-"""The decode worker: one thread takes requests in arrival order and runs `stream_session`.
+"""The decode worker: one thread takes requests in arrival order and decodes them.
 
-Requests are decoded one at a time: a DFlash cycle already fills the accelerator
-with a block of positions, and a single session keeps speculative decoding exact
-and simple. The HTTP side never touches MLX; it submits a `Job` and receives the
-job's `Step`s and its final `Finished` through the job's `emit` callback.
+Up to `max_batch` requests advance together (`scheduler.py`: batched cycles where the
+target and drafter allow, else one cycle each in turn); each request's reply is what
+`stream_session` would give it alone. The HTTP side never touches MLX; it submits a
+`Job` and receives the job's `Step`s and its final `Finished` through the job's `emit`
+callback.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..generate import GenerationStats, check_block_size, make_proposer, stream_session
+from ..batch import kv_bytes_per_token
+from ..generate import GenerationStats, check_block_size, make_proposer
 from ..lookup import PromptLookup
-from ..policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy, reproducible
-from ..runtime import default_prompt_cache_bytes, settle, wired_limit
-from ..sampling import make_sampler
+from ..policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
+from ..runtime import default_batch_bytes, default_prompt_cache_bytes, settle, wired_limit
 from ..session import DecodingSession
-from ..stream_guard import guarded
 from ..target import TargetModel
-from .prompt_cache import PromptCache, recover
-from .text import TextFilter
+from .prompt_cache import PromptCache
+from .scheduler import Scheduler, describe_batch
 
 
 @dataclass
@@ -34,7 +34,9 @@ class EngineConfig:
     prompt_cache_bytes: int | None = None  # None: sized from the device's memory (`runtime.default_prompt_cache_bytes`)
     calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (mlx_dflash.calibration)
     prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.lookup`)
-    max_queue: int = 32  # requests waiting behind the running one before new ones are refused (0: no bound)
+    max_queue: int = 32  # requests waiting behind the running ones before new ones are refused (0: no bound)
+    max_batch: int = 8  # requests decoded together (1: one at a time)
+    batch_bytes: int | None = None  # memory for the batched caches (None: `runtime.default_batch_bytes`)
 
 
 class QueueFull(Exception):
@@ -127,12 +129,17 @@ class Engine:
         if cache_bytes is None:
             cache_bytes = default_prompt_cache_bytes(self.target.model, drafter)
         self.prompt_cache = PromptCache(cache_bytes, self._new_session)
+        if self.config.max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {self.config.max_batch}")
+        self.token_bytes = kv_bytes_per_token(self.target, drafter)
+        self.batch_bytes = self.config.batch_bytes
+        if self.batch_bytes is None:
+            self.batch_bytes = default_batch_bytes(cache_bytes, self.target.model, drafter)
         # The worker thread decodes: nothing it reads may hold a graph built on this thread.
         settle(self.target.model, drafter)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._current: Job | None = None
-        self.busy = False
+        self._scheduler: Scheduler | None = None
 
     def _new_session(self) -> DecodingSession:
         return DecodingSession(self.target, make_proposer(self.target, self.drafter, self.max_block_size),
@@ -145,7 +152,7 @@ class Engine:
             self._thread.start()
 
     def cancel_all(self) -> None:
-        """End every request: the running one at its cycle's end, the queued ones now (each gets a Finished)."""
+        """End every request: the running ones at their cycle's end, the queued ones now (each gets a Finished)."""
         pending = []
         while True:
             try:
@@ -156,9 +163,8 @@ class Engine:
             if job is not None:
                 job.cancelled.set()
                 job.emit(Finished("cancelled", GenerationStats()))
-        current = self._current
-        if current is not None:
-            current.cancelled.set()
+        if self._scheduler is not None:
+            self._scheduler.cancel_all()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Cancel every request and end the worker."""
@@ -173,80 +179,36 @@ class Engine:
     def submit(self, request: GenerationRequest, emit: Callable[[Step | Finished], None]) -> Job:
         """Queue a request; raises `QueueFull` when `max_queue` wait already (only one thread submits)."""
         bound = self.config.max_queue
-        if bound and self._jobs.qsize() >= bound:
-            raise QueueFull(f"{self._jobs.qsize()} requests are waiting (--max-queue {bound})")
+        if bound and self.waiting >= bound:
+            raise QueueFull(f"{self.waiting} requests are waiting (--max-queue {bound})")
         job = Job(request, emit)
         self._jobs.put(job)
         return job
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        """Requests not admitted yet."""
+        scheduler = self._scheduler
+        return self._jobs.qsize() + (len(scheduler.waiting) if scheduler is not None else 0)
+
+    @property
+    def busy(self) -> bool:
+        """Some request is being decoded."""
+        return self._scheduler is not None and bool(self._scheduler.runs)
+
+    @property
+    def batching(self) -> dict[str, Any]:
+        """Requests running, how many of them are batched, and the batch's widths so far."""
+        return describe_batch(self._scheduler, self.config.max_batch)
+
+    @property
+    def _current(self) -> Job | None:
+        """The oldest running request's job (None: idle)."""
+        runs = self._scheduler.runs if self._scheduler is not None else []
+        return runs[0].job if runs else None
 
     # -- the worker ----------------------------------------------------------------------
     def _work(self) -> None:
+        self._scheduler = Scheduler(self)
         with wired_limit([self.target.model, self.drafter]):
-            self._serve()
-
-    def _serve(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                job.emit(Finished("cancelled", GenerationStats(prompt_tokens=len(job.request.prompt))))
-                continue
-            self.busy, self._current = True, job
-            try:
-                job.emit(self._run(job))
-            except Exception as e:  # never let one request take the worker down
-                job.emit(Finished("error", GenerationStats(), error=f"{type(e).__name__}: {e}"))
-            finally:
-                self.busy, self._current = False, None
-
-    def _run(self, job: Job) -> Finished:
-        req = job.request
-        # What may refuse the request comes before a cached session is taken over (or a failure drops it).
-        if req.seed is not None:
-            mx.random.seed(req.seed)
-        sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
-        policy = reproducible(self.policy, self.max_block_size, req.seed, req.temperature)
-        text = TextFilter(req.stops)
-        constraint = req.constraint() if req.constraint is not None else None
-        session, cached = self.prompt_cache.fetch(req.prompt)
-        session.cancel_check = job.cancelled.is_set  # a cancelled request's prefill stops at its next chunk
-        head, new = self.prompt_cache.split_prompt(session, req.prompt[len(session.tokens):])
-        stream = stream_session(
-            session, new, sampler, max_tokens=req.max_tokens, stop=self.stop_ids,
-            detokenizer=self.tokenizer.detokenizer, policy=policy,
-            constraint=constraint,
-        )
-        stream = self.prompt_cache.prefed(session, head, stream)
-        finish, stop, event = "cancelled", None, None
-
-        def store(consistent: bool) -> None:
-            session.cancel_check = None
-            # A failed request keeps its conversation: a session the error left mid-cycle is cut back.
-            if consistent or recover(session):
-                self.prompt_cache.store(session)
-
-        with guarded(stream, store) as events:
-            for event in events:
-                released = text.push(event.text)
-                logprobs = None if req.top_logprobs is None else \
-                    token_logprobs(event.logprobs, event.tokens, req.top_logprobs)
-                job.emit(Step(event.tokens, released.text, logprobs))
-                if released.stop is not None:
-                    finish, stop = "stop", released.stop
-                    break
-                if event.finish_reason:
-                    finish = event.finish_reason
-                    break
-                if job.cancelled.is_set():
-                    break
-        if finish in ("stop", "length") and stop is None:
-            tail = text.flush()
-            if tail:
-                job.emit(Step([], tail))
-        stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
-        return Finished(finish, stats, cached, stop)
+            self._scheduler.serve()

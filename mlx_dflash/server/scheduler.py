@@ -1,0 +1,287 @@
+"""The decode worker's loop: up to `max_batch` requests advance together, one cycle at a time.
+
+Each request is a `Run`: its session (from the prompt cache) and its `stream_session`
+stream, pulled one event per cycle. Requests that can be batched (`batch.refusal`: plain
+K/V caches, a v1 drafter; no grammar, no seeded sampling) join a `SessionBatch` once
+prefilled, at a cycle boundary, whenever another one is running: each loop the batch runs
+one cycle for all of them and every stream then emits its part. The others advance in turn,
+one cycle each per loop (sliding-window and hybrid targets: every request that way). A batch
+left with one row hands it back to decode alone, with launching ahead and prompt lookup.
+
+A new request is prefilled at the end of a loop, in chunks; between its chunks the running
+requests go on (so a long prompt does not stall them). Admission keeps to `max_batch` and
+to a memory budget for the batched caches (every row is as long as the longest). A seeded
+sampled request draws from MLX's global generator as it would alone: it is not run beside
+another sampled request (greedy ones draw nothing), so its sample repeats exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from ..batch import SessionBatch, refusal
+from ..generate import GenerationEvent, GenerationStats, stream_session
+from ..policy import FixedBlockSize, make_policy, reproducible
+from ..sampling import make_sampler
+from .prompt_cache import recover
+from .text import TextFilter
+
+if TYPE_CHECKING:
+    from .engine import Engine, Finished, Job
+
+logger = logging.getLogger("mlx_dflash")
+
+
+class Run:
+    """One request being decoded: its session, its event stream and its text so far."""
+
+    def __init__(self, engine: Engine, job: Job):
+        req = job.request
+        self.engine, self.job = engine, job
+        self.sampled = req.temperature > 0
+        self.seeded = self.sampled and req.seed is not None
+        # What may refuse the request comes before a cached session is taken over (or a failure drops it).
+        if req.seed is not None:
+            mx.random.seed(req.seed)
+        self.sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
+        policy = reproducible(engine.policy, engine.max_block_size, req.seed, req.temperature)
+        self.text = TextFilter(req.stops)
+        self.constrained = req.constraint is not None
+        constraint = req.constraint() if req.constraint is not None else None
+        self.session, self.cached = engine.prompt_cache.fetch(req.prompt)
+        self.session.cancel_check = job.cancelled.is_set  # a cancelled request's prefill stops at its next chunk
+        head, new = engine.prompt_cache.split_prompt(self.session, req.prompt[len(self.session.tokens):])
+        self.prompt_tokens = len(new)
+        stream = stream_session(self.session, new, self.sampler, max_tokens=req.max_tokens, stop=engine.stop_ids,
+                                detokenizer=engine.tokenizer.detokenizer, policy=policy, constraint=constraint)
+        self.stream = engine.prompt_cache.prefed(self.session, head, stream)
+        self.end = len(req.prompt) + req.max_tokens  # positions it may reach
+        self.refused: str | None = None  # why the batch would not take it (set when it refused)
+        self.event: GenerationEvent | None = None
+        self.finish, self.stop = "cancelled", None
+
+    @property
+    def started(self) -> bool:
+        """Prefilled: its first event is out, and it is between cycles."""
+        return self.event is not None
+
+    def why_alone(self) -> str | None:
+        """Why this request decodes alone rather than in the batch (None: it may join)."""
+        if self.constrained:
+            return "structured output reads each draft on the host"
+        if self.seeded:
+            return "a seeded sample repeats only as drawn alone"
+        return self.refused or refusal(self.session)
+
+    def advance(self) -> Finished | None:
+        """Pull and emit the next event; the `Finished` (not emitted yet) once the request is done."""
+        from .engine import Step, token_logprobs
+
+        event = next(self.stream, None)
+        if event is None:  # the stream ended early: a prefill cancelled between chunks
+            return self._finished()
+        self.event = event
+        released = self.text.push(event.text)
+        top = self.job.request.top_logprobs
+        logprobs = None if top is None else token_logprobs(event.logprobs, event.tokens, top)
+        self.job.emit(Step(event.tokens, released.text, logprobs))
+        if released.stop is not None:
+            self.finish, self.stop = "stop", released.stop
+        elif event.finish_reason:
+            self.finish = event.finish_reason
+        elif not self.job.cancelled.is_set():
+            return None
+        return self._finished()
+
+    def _finished(self) -> Finished:
+        from .engine import Finished, Step
+
+        if self.finish in ("stop", "length") and self.stop is None:
+            tail = self.text.flush()
+            if tail:
+                self.job.emit(Step([], tail))
+        stats = self.event.stats if self.event is not None else GenerationStats(prompt_tokens=self.prompt_tokens)
+        return Finished(self.finish, stats, self.cached, self.stop)
+
+    def close(self, consistent: bool) -> None:
+        """End the stream and keep the session for later requests (if it is consistent, or can be made so)."""
+        session = self.session
+        if session.batch is not None:
+            session.batch.remove(session)
+        self.stream.close()
+        session.cancel_check = session.between_chunks = None
+        # A failed request keeps its conversation: a session the error left mid-cycle is cut back.
+        if consistent or recover(session):
+            self.engine.prompt_cache.store(session)
+
+
+class Scheduler:
+    """The worker's loop over the engine's queue (runs on the decode thread only)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.runs: list[Run] = []
+        self.waiting: deque[Job] = deque()  # taken off the queue, not admitted yet
+        self.batch = self._new_batch()
+        self._explained: set[str] = set()
+        self.peak = 0  # the most requests running at once
+
+    def _new_batch(self) -> SessionBatch:
+        engine = self.engine
+        size = engine.block_size
+        # Its own costs and acceptance: a batched cycle's cost per row is not a lone cycle's.
+        policy = make_policy(size, engine.max_block_size) if engine.drafter is not None else FixedBlockSize(1)
+        return SessionBatch(engine.target, policy)
+
+    @property
+    def max_batch(self) -> int:
+        return self.engine.config.max_batch
+
+    def serve(self) -> None:
+        """Until the engine's stop: admit, run one cycle of everything running, prefill the new."""
+        stopping = False
+        while not stopping or self.runs or self.waiting:
+            stopping = self._take(block=not self.runs and not self.waiting) or stopping
+            fresh = self._admit()
+            self._cycle()
+            for run in fresh:
+                if run in self.runs:
+                    self._advance(run)  # its prefill; the running ones go on between its chunks
+            self._regroup()
+
+    def cancel_all(self) -> None:
+        """Called from another thread: mark every admitted and waiting request cancelled."""
+        for job in [run.job for run in list(self.runs)] + list(self.waiting):
+            job.cancelled.set()
+
+    # -- admission -------------------------------------------------------------------------
+    def _take(self, block: bool) -> bool:
+        """Move queued jobs to `waiting` (waiting for one when idle); True once the stop arrived."""
+        jobs = self.engine._jobs
+        try:
+            job = jobs.get() if block else jobs.get_nowait()
+            while True:
+                if job is None:
+                    return True
+                self.waiting.append(job)
+                job = jobs.get_nowait()
+        except queue.Empty:
+            return False
+
+    def _admit(self) -> list[Run]:
+        from .engine import Finished
+
+        fresh = []
+        for job in list(self.waiting):
+            if job.cancelled.is_set():
+                self.waiting.remove(job)
+                job.emit(Finished("cancelled", GenerationStats(prompt_tokens=len(job.request.prompt))))
+                continue
+            if len(self.runs) >= self.max_batch or not self._fits(job):
+                break  # in arrival order: a large request is not overtaken for ever
+            if self._draws_beside(job):
+                continue
+            self.waiting.remove(job)
+            try:
+                run = Run(self.engine, job)
+            except Exception as e:  # noqa: BLE001 - a request that cannot start fails alone
+                job.emit(Finished("error", GenerationStats(), error=f"{type(e).__name__}: {e}"))
+                continue
+            run.session.between_chunks = self._between_chunks
+            self.runs.append(run)
+            self.peak = max(self.peak, len(self.runs))
+            fresh.append(run)
+        return fresh
+
+    def _draws_beside(self, job: Job) -> bool:
+        """A seeded sample must not share the generator with another sampled request."""
+        req = job.request
+        if req.temperature <= 0:
+            return False
+        seeded = req.seed is not None
+        return any(run.sampled and (seeded or run.seeded) for run in self.runs)
+
+    def _fits(self, job: Job) -> bool:
+        if not self.runs:
+            return True
+        ends = [run.end for run in self.runs] + [len(job.request.prompt) + job.request.max_tokens]
+        return len(ends) * max(ends) * self.engine.token_bytes <= self.engine.batch_bytes
+
+    # -- decoding ----------------------------------------------------------------------------
+    def _cycle(self) -> None:
+        """One cycle of every running request: the batch's in one, the others' each alone."""
+        if len(self.batch):
+            try:
+                self.batch.step()
+            except Exception as e:  # noqa: BLE001 - the batch's rows fail together; the others go on
+                self._fail_batch(e)
+        for run in [r for r in self.runs if r.started]:
+            if run in self.runs:
+                self._advance(run)
+
+    def _between_chunks(self) -> None:
+        self._cycle()
+        self._regroup()
+
+    def _advance(self, run: Run) -> None:
+        from .engine import Finished
+
+        try:
+            finished, consistent = run.advance(), True
+        except Exception as e:  # noqa: BLE001 - never let one request take the worker down
+            finished, consistent = Finished("error", GenerationStats(), error=f"{type(e).__name__}: {e}"), False
+        if finished is None:
+            return
+        self.runs.remove(run)
+        try:
+            run.close(consistent)
+        finally:
+            run.job.emit(finished)
+
+    def _fail_batch(self, error: Exception) -> None:
+        from .engine import Finished
+
+        failed = [run for run in self.runs if run.session.batch is self.batch]
+        self.batch = self._new_batch()
+        for run in failed:
+            self.runs.remove(run)
+            run.session.batch = None  # its caches went with the batch: the session is not kept
+            run.stream.close()
+            run.job.emit(Finished("error", GenerationStats(), error=f"{type(error).__name__}: {error}"))
+
+    def _regroup(self) -> None:
+        """Batch the batchable running requests when two or more run; hand a lone row back."""
+        if self.max_batch < 2:
+            return
+        ready = []
+        for run in self.runs:
+            if not run.started or run.session.batch is not None:
+                continue
+            reason = run.why_alone()
+            if reason is None:
+                ready.append(run)
+            elif reason not in self._explained and len(self.runs) > 1:
+                self._explained.add(reason)
+                logger.warning("mlx-dflash serve: a request decodes alone, beside the batch: %s", reason)
+        if ready and len(self.batch) + len(ready) >= 2:
+            for run in ready:
+                try:
+                    self.batch.add(run.session, run.sampler, self.engine.stop_ids,
+                                   run.job.request.max_tokens - run.event.stats.num_tokens)
+                except Exception as e:  # noqa: BLE001 - it decodes alone; the batch is as it was
+                    run.refused = f"{type(e).__name__}: {e}"
+        elif len(self.batch) == 1:
+            self.batch.remove(self.batch.rows[0].session)
+
+
+def describe_batch(scheduler: Scheduler | None, max_batch: int) -> dict[str, Any]:
+    """Requests running, how many are batched, and the batched cycles per width so far (for /health)."""
+    if scheduler is None:
+        return {"max_batch": max_batch, "running": 0, "batched": 0, "cycles_by_width": {}}
+    return {"max_batch": max_batch, "running": len(scheduler.runs), "batched": len(scheduler.batch),
+            "cycles_by_width": {str(w): n for w, n in sorted(scheduler.batch.widths.items())}}
