@@ -49,7 +49,8 @@ def serve(
     allow_origin: Annotated[list[str] | None, typer.Option("--allow-origin", help="Let web pages from this origin (e.g. https://app.example.com) use the server; repeatable; '*' allows every origin. Without it, requests that browsers mark as coming from another site get 403 (loopback pages are allowed).")] = None,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body taken; larger ones get 413.")] = 32 << 20,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait for a place among the running ones (--max-batch); more get 503 (529 on /v1/messages) with Retry-After (0: no bound).")] = 32,
-    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together: each cycle drafts and verifies a block for every one of them in one forward each (1: one request at a time, in arrival order). Every reply is what the request gets alone. Targets with sliding-window or recurrent layers, quantized K/V, DFlash2 drafters and drafters with a sliding window cannot be batched yet: their requests advance side by side, one cycle each in turn; so do requests with structured output, and sampled requests with a seed (a seeded sample repeats only as drawn alone). New requests also wait while the batched caches would pass half the memory the models and prompt cache leave free.")] = 8,
+    max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together: each cycle drafts and verifies a block for every one of them in one forward each (1: one request at a time, in arrival order). Every reply is what the request gets alone. Targets with sliding-window or recurrent layers, quantized K/V, DFlash2 drafters and drafters with a sliding window cannot be batched yet: their requests advance side by side, one cycle each in turn; so do requests with structured output, and sampled requests with a seed (a seeded sample repeats only as drawn alone). New requests also wait while the batched caches would pass --batch-bytes.")] = 8,
+    batch_bytes: Annotated[int | None, typer.Option("--batch-bytes", min=1, help="Memory for the batched requests' caches, every row counted as long as the longest prompt plus max_tokens (default: half the memory the models and the prompt cache leave free).")] = None,
     max_tokens_cap: Annotated[int | None, typer.Option("--max-tokens-cap", min=1, help="Cut every reply's max_tokens to this (default: the context window); larger requests are served, shortened, never refused.")] = None,
     strict_model_name: Annotated[bool, typer.Option("--strict-model-name", help="Answer 404 to requests naming another model (default: serve them with this model; replies name it).")] = False,
 ) -> None:
@@ -84,7 +85,8 @@ def serve(
     calibration = calibration_for(target, drafter, size)
     engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes,
                                                              calibration=calibration, prompt_lookup=prompt_lookup,
-                                                             max_queue=max_queue, max_batch=max_batch))
+                                                             max_queue=max_queue, max_batch=max_batch,
+                                                             batch_bytes=batch_bytes))
     model_id = served_name or model or EMBEDDED_ID
     aliases = {Path(model).name} if model else set()
     state = ServerState(engine, model_id, api_key=api_key, max_tokens_default=max_tokens_default,

@@ -22,7 +22,7 @@ from tiny import FakeTokenizer, greedy_reference, target_config, tiny_drafter, t
 from mlx_dflash import acceptance_memory, runtime, stream_generate
 from mlx_dflash.drafter import DFlashDraftModel
 from mlx_dflash.server import Engine, EngineConfig, prompt_cache
-from mlx_dflash.server.engine import Finished, GenerationRequest
+from mlx_dflash.server.jobs import Finished, GenerationRequest
 from mlx_dflash.session import DecodingSession
 from mlx_dflash.speculative import DFlashProposer
 from mlx_dflash.target import TargetModel

@@ -21,7 +21,7 @@ from tiny import EOS_ID, VOCAB, FakeTokenizer, greedy_reference, tiny_drafter
 
 from mlx_dflash import session as session_module
 from mlx_dflash.server import Engine, EngineConfig
-from mlx_dflash.server.engine import Finished, GenerationRequest, Step
+from mlx_dflash.server.jobs import Finished, GenerationRequest, Step
 
 
 class Reply:
@@ -227,3 +227,27 @@ def test_both_apis_and_tools_under_concurrency(tmp_path):
         assert live.engine._scheduler.peak >= 2
         health = httpx.get(live.url + "/health").json()["batch"]
         assert health["max_batch"] == 4 and health["running"] == 0 and sum(health["cycles_by_width"].values()) > 0
+
+
+def test_a_failing_batch_ends_its_requests_and_the_server_goes_on(pair, monkeypatch):
+    from mlx_dflash.batch import SessionBatch
+
+    target, tokenizer, drafter = pair
+    real_step, calls = SessionBatch.step, []
+
+    def failing(self):
+        calls.append(len(self))
+        if len(calls) == 3:  # once, at the third batched cycle
+            raise RuntimeError("out of memory (simulated)")
+        real_step(self)
+
+    monkeypatch.setattr(SessionBatch, "step", failing)
+    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=4))
+    replies = serve_all(engine, greedy_requests()[:3], stop=False)
+    assert [r.finished.finish_reason for r in replies] == ["error"] * 3
+    assert "out of memory (simulated)" in replies[0].finished.error
+    assert calls[2] == 3
+    again = serve_all(engine, greedy_requests()[:2])  # a fresh batch
+    for reply, request in zip(again, greedy_requests()[:2], strict=True):
+        reference = greedy_reference(target, request.prompt, request.max_tokens)
+        assert reply.tokens == (reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference)

@@ -24,7 +24,8 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", HOME=str(tmp_path))
     proc = subprocess.Popen([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--port", str(port),
-                             "--api-key", "k"], stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                             "--api-key", "k", "--max-batch", "3"],
+                            stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         for _ in range(600):  # model loading and imports: up to a minute on a busy machine
@@ -34,6 +35,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.1)
             assert proc.poll() is None, proc.stderr.read()
+        assert httpx.get(url + "/health", timeout=5).json()["batch"]["max_batch"] == 3
         body = {"model": str(target), "prompt": "hello", "max_tokens": 5}
         reply = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
         assert reply.json()["usage"]["completion_tokens"] >= 1
@@ -46,4 +48,5 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     assert proc.returncode == 0, err
     serving = [line for line in err.splitlines() if line.startswith("serving")]
     assert len(serving) == 1 and f"127.0.0.1:{port}" in serving[0] and "API key required" in serving[0]
+    assert "up to 3 requests together" in serving[0]
     assert "Traceback" not in err

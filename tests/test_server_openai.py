@@ -309,7 +309,7 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server):
 
 
 def test_token_logprobs_read_each_tokens_row():
-    from mlx_dflash.server.engine import token_logprobs
+    from mlx_dflash.server.jobs import token_logprobs
 
     rows = mx.log(mx.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
     first, second = token_logprobs(rows, [0, 2], top=2)

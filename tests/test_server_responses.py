@@ -19,7 +19,7 @@ from serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
 from tiny import EOS_ID, greedy_reference
 
 from mlx_dflash.generate import GenerationStats
-from mlx_dflash.server.engine import Finished, GenerationRequest, Step
+from mlx_dflash.server.jobs import Finished, GenerationRequest, Step
 from mlx_dflash.server.responses_api import Options, OutputBuilder
 
 THOUGHT_TEXT = "The user asks about Paris."

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fields
-from .engine import Finished, GenerationRequest, Step
 from .errors import APIError
+from .jobs import Finished, GenerationRequest, Step
 from .reply import ReasoningDelta, TextDelta, ToolCallItem
 from .sse import sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import fields
-from .engine import Finished, GenerationRequest, Step, TokenLogprob
 from .errors import APIError
+from .jobs import Finished, GenerationRequest, Step, TokenLogprob
 from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem
 from .sse import done_event, sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers

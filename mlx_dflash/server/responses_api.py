@@ -25,8 +25,8 @@ import json
 from typing import Any
 
 from . import fields
-from .engine import GenerationRequest
 from .errors import APIError
+from .jobs import GenerationRequest
 from .openai_api import RESERVED_TEMPLATE_ARGS, _sampling, template_messages
 from .responses_output import CUSTOM_INPUT, Options
 from .responses_output import OutputBuilder as OutputBuilder  # re-exported: app.py and the tests reach them here

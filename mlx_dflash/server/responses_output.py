@@ -17,8 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Finished, GenerationRequest, Step
 from .errors import APIError
+from .jobs import Finished, GenerationRequest, Step
 from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem
 from .sse import sse_event
 from .state import JobStream, ServerState, dflash_extension, usage_numbers

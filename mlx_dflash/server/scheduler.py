@@ -28,11 +28,12 @@ from ..batch import SessionBatch, refusal
 from ..generate import GenerationEvent, GenerationStats, stream_session
 from ..policy import FixedBlockSize, make_policy, reproducible
 from ..sampling import make_sampler
+from .jobs import Finished, Job, Step, token_logprobs
 from .prompt_cache import recover
 from .text import TextFilter
 
 if TYPE_CHECKING:
-    from .engine import Engine, Finished, Job
+    from .engine import Engine
 
 logger = logging.getLogger("mlx_dflash")
 
@@ -80,8 +81,6 @@ class Run:
 
     def advance(self) -> Finished | None:
         """Pull and emit the next event; the `Finished` (not emitted yet) once the request is done."""
-        from .engine import Step, token_logprobs
-
         event = next(self.stream, None)
         if event is None:  # the stream ended early: a prefill cancelled between chunks
             return self._finished()
@@ -99,8 +98,6 @@ class Run:
         return self._finished()
 
     def _finished(self) -> Finished:
-        from .engine import Finished, Step
-
         if self.finish in ("stop", "length") and self.stop is None:
             tail = self.text.flush()
             if tail:
@@ -123,8 +120,9 @@ class Run:
 class Scheduler:
     """The worker's loop over the engine's queue (runs on the decode thread only)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, jobs: queue.Queue[Job | None]):
         self.engine = engine
+        self.jobs = jobs  # the engine's queue; None asks the loop to end
         self.runs: list[Run] = []
         self.waiting: deque[Job] = deque()  # taken off the queue, not admitted yet
         self.batch = self._new_batch()
@@ -147,12 +145,16 @@ class Scheduler:
         stopping = False
         while not stopping or self.runs or self.waiting:
             stopping = self._take(block=not self.runs and not self.waiting) or stopping
-            fresh = self._admit()
-            self._cycle()
-            for run in fresh:
-                if run in self.runs:
-                    self._advance(run)  # its prefill; the running ones go on between its chunks
-            self._regroup()
+            try:
+                fresh = self._admit()
+                self._cycle()
+                for run in fresh:
+                    if run in self.runs:
+                        self._advance(run)  # its prefill; the running ones go on between its chunks
+                self._regroup()
+            except Exception as e:  # noqa: BLE001 - a bug here must not leave every client waiting for ever
+                logger.exception("mlx-dflash serve: the decode loop failed; ending the running requests")
+                self._fail(list(self.runs), e)
 
     def cancel_all(self) -> None:
         """Called from another thread: mark every admitted and waiting request cancelled."""
@@ -162,7 +164,7 @@ class Scheduler:
     # -- admission -------------------------------------------------------------------------
     def _take(self, block: bool) -> bool:
         """Move queued jobs to `waiting` (waiting for one when idle); True once the stop arrived."""
-        jobs = self.engine._jobs
+        jobs = self.jobs
         try:
             job = jobs.get() if block else jobs.get_nowait()
             while True:
@@ -174,8 +176,6 @@ class Scheduler:
             return False
 
     def _admit(self) -> list[Run]:
-        from .engine import Finished
-
         fresh = []
         for job in list(self.waiting):
             if job.cancelled.is_set():
@@ -219,7 +219,7 @@ class Scheduler:
             try:
                 self.batch.step()
             except Exception as e:  # noqa: BLE001 - the batch's rows fail together; the others go on
-                self._fail_batch(e)
+                self._fail([run for run in self.runs if run.session.batch is self.batch], e)
         for run in [r for r in self.runs if r.started]:
             if run in self.runs:
                 self._advance(run)
@@ -229,8 +229,6 @@ class Scheduler:
         self._regroup()
 
     def _advance(self, run: Run) -> None:
-        from .engine import Finished
-
         try:
             finished, consistent = run.advance(), True
         except Exception as e:  # noqa: BLE001 - never let one request take the worker down
@@ -243,15 +241,16 @@ class Scheduler:
         finally:
             run.job.emit(finished)
 
-    def _fail_batch(self, error: Exception) -> None:
-        from .engine import Finished
-
-        failed = [run for run in self.runs if run.session.batch is self.batch]
+    def _fail(self, runs: list[Run], error: Exception) -> None:
+        """End `runs` with the error; a batch they were in starts afresh (their sessions are not kept)."""
         self.batch = self._new_batch()
-        for run in failed:
+        for run in runs:
             self.runs.remove(run)
-            run.session.batch = None  # its caches went with the batch: the session is not kept
-            run.stream.close()
+            run.session.batch = None  # its caches went with the batch, or its state is unknown
+            try:
+                run.stream.close()
+            except Exception:  # noqa: BLE001, S110 - a broken stream still ends its request
+                pass
             run.job.emit(Finished("error", GenerationStats(), error=f"{type(error).__name__}: {error}"))
 
     def _regroup(self) -> None:
