@@ -74,6 +74,7 @@ class DecodingSession:
         self.constraint: Any = None
         # Asked between `extend`'s prefill chunks to let other work run (a server's other requests).
         self.between_chunks: Callable[[], None] | None = None
+        self.prefill_chunk = PREFILL_CHUNK  # positions per prefill forward
         # In a `batch.SessionBatch`: the batch holds this session's caches and runs its cycles
         # with the other members'; `cycle` returns this session's part of the last one.
         self.batch: Any = None
@@ -132,12 +133,12 @@ class DecodingSession:
         self.settle()
         if self._pending:
             self.inject_pending()  # in order: queued positions come before these
-        for lo in range(0, len(inputs), PREFILL_CHUNK):
+        for lo in range(0, len(inputs), self.prefill_chunk):
             if lo and self.between_chunks is not None:
                 self.between_chunks()
             if lo and cancellable and self.cancel_check is not None and self.cancel_check():
                 raise PrefillCancelled(lo)
-            chunk = mx.array(inputs[lo : lo + PREFILL_CHUNK], dtype=mx.uint32)[None]
+            chunk = mx.array(inputs[lo : lo + self.prefill_chunk], dtype=mx.uint32)[None]
             hidden, features = self.target.forward(chunk, self.cache, self.capture)
             if self.proposer is not None:
                 self.proposer.commit(features, start + lo)

@@ -176,6 +176,19 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(pair, monk
     assert replies[0].tokens == greedy_reference(target, requests[0].prompt, 60)[: len(replies[0].tokens)]
 
 
+def test_a_short_prompt_does_not_wait_behind_a_long_prefill(pair, monkeypatch):
+    target, tokenizer, drafter = pair
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 16)
+    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=4))
+    requests = [GenerationRequest(prompts(2, (300,))[0], 5), GenerationRequest(prompts(1, (5,))[0], 30)]
+    replies = serve_all(engine, requests)
+    order = [name for name, kind in engine.log if kind == "Step"]
+    assert order.index("1") < order.index("0")  # prefilled between the long prompt's chunks
+    assert order[: order.index("0")].count("1") >= 5  # and decoding there
+    for reply, request in zip(replies, requests, strict=True):
+        assert reply.tokens == greedy_reference(target, request.prompt, request.max_tokens)[: len(reply.tokens)]
+
+
 def test_admission_keeps_to_max_batch_and_the_memory_budget(pair):
     target, tokenizer, drafter = pair
     for config, most in ((EngineConfig(max_batch=1), 1), (EngineConfig(max_batch=3), 3),

@@ -8,8 +8,9 @@ one cycle for all of them and every stream then emits its part. The others advan
 one cycle each per loop (sliding-window and hybrid targets: every request that way). A batch
 left with one row hands it back to decode alone, with launching ahead and prompt lookup.
 
-A new request is prefilled at the end of a loop, in chunks; between its chunks the running
-requests go on (so a long prompt does not stall them). Admission keeps to `max_batch` and
+A new request is prefilled at the end of a loop, in 512-token chunks; between its chunks the running
+requests go on and newly arrived ones are admitted and prefilled (so a long prompt stalls
+neither). Admission keeps to `max_batch` and
 to a memory budget for the batched caches (every row is as long as the longest). A seeded
 sampled request draws from MLX's global generator as it would alone: it is not run beside
 another sampled request (greedy ones draw nothing), so its sample repeats exactly.
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 logger = logging.getLogger("mlx_dflash")
+SHARED_PREFILL_CHUNK = 512  # prompt positions per prefill forward while other requests may be running
 
 
 class Run:
@@ -63,6 +65,7 @@ class Run:
         self.stream = engine.prompt_cache.prefed(self.session, head, stream)
         self.end = len(req.prompt) + req.max_tokens  # positions it may reach
         self.refused: str | None = None  # why the batch would not take it (set when it refused)
+        self.prefilling = False  # its prefill is under way (others run between its chunks)
         self.event: GenerationEvent | None = None
         self.finish, self.stop = "cancelled", None
 
@@ -128,6 +131,7 @@ class Scheduler:
         self.batch = self._new_batch()
         self._explained: set[str] = set()
         self.peak = 0  # the most requests running at once
+        self.stopping = False  # the engine's stop arrived: end once every request has
 
     def _new_batch(self) -> SessionBatch:
         engine = self.engine
@@ -142,15 +146,12 @@ class Scheduler:
 
     def serve(self) -> None:
         """Until the engine's stop: admit, run one cycle of everything running, prefill the new."""
-        stopping = False
-        while not stopping or self.runs or self.waiting:
-            stopping = self._take(block=not self.runs and not self.waiting) or stopping
+        while not self.stopping or self.runs or self.waiting:
+            self._take(block=not self.runs and not self.waiting)
             try:
-                fresh = self._admit()
+                self._admit()
                 self._cycle()
-                for run in fresh:
-                    if run in self.runs:
-                        self._advance(run)  # its prefill; the running ones go on between its chunks
+                self._prefill()
                 self._regroup()
             except Exception as e:  # noqa: BLE001 - a bug here must not leave every client waiting for ever
                 logger.exception("mlx-dflash serve: the decode loop failed; ending the running requests")
@@ -162,21 +163,20 @@ class Scheduler:
             job.cancelled.set()
 
     # -- admission -------------------------------------------------------------------------
-    def _take(self, block: bool) -> bool:
-        """Move queued jobs to `waiting` (waiting for one when idle); True once the stop arrived."""
-        jobs = self.jobs
+    def _take(self, block: bool) -> None:
+        """Move queued jobs to `waiting` (waiting for one when idle); note the stop (a None)."""
         try:
-            job = jobs.get() if block else jobs.get_nowait()
+            job = self.jobs.get() if block else self.jobs.get_nowait()
             while True:
                 if job is None:
-                    return True
-                self.waiting.append(job)
-                job = jobs.get_nowait()
+                    self.stopping = True
+                else:
+                    self.waiting.append(job)
+                job = self.jobs.get_nowait()
         except queue.Empty:
-            return False
+            return
 
-    def _admit(self) -> list[Run]:
-        fresh = []
+    def _admit(self) -> None:
         for job in list(self.waiting):
             if job.cancelled.is_set():
                 self.waiting.remove(job)
@@ -193,10 +193,10 @@ class Scheduler:
                 job.emit(Finished("error", GenerationStats(), error=f"{type(e).__name__}: {e}"))
                 continue
             run.session.between_chunks = self._between_chunks
+            if self.max_batch > 1:  # finer chunks: the running requests wait at most one chunk for a cycle
+                run.session.prefill_chunk = min(run.session.prefill_chunk, SHARED_PREFILL_CHUNK)
             self.runs.append(run)
             self.peak = max(self.peak, len(self.runs))
-            fresh.append(run)
-        return fresh
 
     def _draws_beside(self, job: Job) -> bool:
         """A seeded sample must not share the generator with another sampled request."""
@@ -224,7 +224,22 @@ class Scheduler:
             if run in self.runs:
                 self._advance(run)
 
+    def _prefill(self) -> None:
+        """Prefill the admitted requests, in arrival order (the running ones go on between chunks)."""
+        for run in list(self.runs):
+            if run in self.runs and not run.started and not run.prefilling:
+                run.prefilling = True
+                try:
+                    self._advance(run)
+                finally:
+                    run.prefilling = False
+
     def _between_chunks(self) -> None:
+        """Between a long prompt's chunks: newly arrived requests are admitted and prefilled (a short
+        prompt does not wait behind a long one), and every running request takes a cycle."""
+        self._take(block=False)
+        self._admit()
+        self._prefill()
         self._cycle()
         self._regroup()
 
