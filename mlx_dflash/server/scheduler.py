@@ -64,7 +64,7 @@ class Run:
                                 detokenizer=engine.tokenizer.detokenizer, policy=policy, constraint=constraint)
         self.stream = engine.prompt_cache.prefed(self.session, head, stream)
         self.end = len(req.prompt) + req.max_tokens  # positions it may reach
-        self.refused: str | None = None  # why the batch would not take it (set when it refused)
+        self.refused: str | None = None  # why the batch does not take it ("": it does; None: not asked yet)
         self.prefilling = False  # its prefill is under way (others run between its chunks)
         self.event: GenerationEvent | None = None
         self.finish, self.stop = "cancelled", None
@@ -75,12 +75,16 @@ class Run:
         return self.event is not None
 
     def why_alone(self) -> str | None:
-        """Why this request decodes alone rather than in the batch (None: it may join)."""
-        if self.constrained:
-            return "structured output reads each draft on the host"
-        if self.seeded:
-            return "a seeded sample repeats only as drawn alone"
-        return self.refused or refusal(self.session)
+        """Why this request decodes alone rather than in the batch (None: it may join); asked once
+        it is prefilled, and fixed from then on."""
+        if self.refused is None:
+            if self.constrained:
+                self.refused = "structured output reads each draft on the host"
+            elif self.seeded:
+                self.refused = "a seeded sample repeats only as drawn alone"
+            else:
+                self.refused = refusal(self.session) or ""
+        return self.refused or None
 
     def advance(self) -> Finished | None:
         """Pull and emit the next event; the `Finished` (not emitted yet) once the request is done."""
