@@ -17,7 +17,10 @@ accepted while they equal it.
 
 What cannot be batched (`refusal`): caches that are not plain K/V (sliding-window, recurrent,
 quantized), RoPE that needs one offset, draft windows, proposers other than a v1 DFlash
-drafter, several ranks.
+drafter, several ranks. Batched drafting and injection take one position per row, so they
+run the pure-MLX reference of the Metal kernels; a float16 drafter's overflow check
+(`DFlashProposer.checked`) runs only for a session decoding alone (an overflowed draft is
+rejected, never emitted).
 """
 
 from __future__ import annotations
