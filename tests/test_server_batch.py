@@ -75,6 +75,12 @@ def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("batch"))
 
 
+def expected(model, request: GenerationRequest) -> list[int]:
+    """mlx-lm's greedy reply to `request`, up to its end-of-sequence token."""
+    reference = greedy_reference(model, request.prompt, request.max_tokens)
+    return reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference
+
+
 def prompts(seed: int, lengths) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(4, VOCAB, n)] for n in lengths]
@@ -92,10 +98,7 @@ def test_concurrent_greedy_requests_are_batched_and_each_equals_its_solo_reply(p
     assert sum(batched._scheduler.batch.widths.values()) > 10  # they were decoded in batched cycles
     alone = serve_all(Engine(target, tokenizer, drafter, EngineConfig(max_batch=1, block_size=8)), greedy_requests())
     for reply, solo, request in zip(replies, alone, greedy_requests(), strict=True):
-        reference = greedy_reference(target, request.prompt, request.max_tokens)
-        if EOS_ID in reference:
-            reference = reference[: reference.index(EOS_ID)]
-        assert reply.tokens == solo.tokens == reference
+        assert reply.tokens == solo.tokens == expected(target, request)
         assert reply.text == solo.text and reply.finished.finish_reason == solo.finished.finish_reason
 
 
@@ -147,8 +150,7 @@ def test_a_cancelled_request_leaves_without_disturbing_the_rest(pair):
     assert replies[4].finished.finish_reason == "cancelled" and len(replies[4].tokens) < 40
     for i, (reply, request) in enumerate(zip(replies, greedy_requests(), strict=True)):
         if i != 4:
-            reference = greedy_reference(target, request.prompt, request.max_tokens)
-            assert reply.tokens == reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference
+            assert reply.tokens == expected(target, request)
 
 
 def test_a_batched_conversation_goes_on_from_the_prompt_cache(pair):
@@ -160,33 +162,30 @@ def test_a_batched_conversation_goes_on_from_the_prompt_cache(pair):
     again = serve_all(engine, follow)
     for reply, request in zip(again, follow, strict=True):
         assert reply.finished.cached_tokens >= len(request.prompt) - 5
-        reference = greedy_reference(target, request.prompt, 20)
-        assert reply.tokens == (reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference)
+        assert reply.tokens == expected(target, request)
+
+
+def chunked(pair, monkeypatch, requests: list[GenerationRequest]) -> list[str]:
+    """Serve `requests` (prefilled in 16-token chunks) together; the order of their Steps, each checked exact."""
+    target, tokenizer, drafter = pair
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 16)
+    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=4))
+    for reply, request in zip(serve_all(engine, requests), requests, strict=True):
+        assert reply.tokens == expected(target, request)
+    return [name for name, kind in engine.log if kind == "Step"]
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_decode(pair, monkeypatch):
-    target, tokenizer, drafter = pair
-    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 16)
-    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=4))
-    requests = [GenerationRequest(prompts(1, (5,))[0], 60), GenerationRequest(prompts(2, (200,))[0], 5)]
-    replies = serve_all(engine, requests)
-    order = [name for name, kind in engine.log if kind == "Step"]
-    during = order[order.index("0") : order.index("1")].count("0")
-    assert during >= 8  # request 0 stepped between the 13 chunks of request 1's prefill
-    assert replies[0].tokens == greedy_reference(target, requests[0].prompt, 60)[: len(replies[0].tokens)]
+    order = chunked(pair, monkeypatch, [GenerationRequest(prompts(1, (5,))[0], 60),
+                                        GenerationRequest(prompts(2, (200,))[0], 5)])
+    assert order[order.index("0") : order.index("1")].count("0") >= 8  # between the 13 chunks of request 1's prefill
 
 
 def test_a_short_prompt_does_not_wait_behind_a_long_prefill(pair, monkeypatch):
-    target, tokenizer, drafter = pair
-    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 16)
-    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=4))
-    requests = [GenerationRequest(prompts(2, (300,))[0], 5), GenerationRequest(prompts(1, (5,))[0], 30)]
-    replies = serve_all(engine, requests)
-    order = [name for name, kind in engine.log if kind == "Step"]
+    order = chunked(pair, monkeypatch, [GenerationRequest(prompts(2, (300,))[0], 5),
+                                        GenerationRequest(prompts(1, (5,))[0], 30)])
     assert order.index("1") < order.index("0")  # prefilled between the long prompt's chunks
     assert order[: order.index("0")].count("1") >= 5  # and decoding there
-    for reply, request in zip(replies, requests, strict=True):
-        assert reply.tokens == greedy_reference(target, request.prompt, request.max_tokens)[: len(reply.tokens)]
 
 
 def test_admission_keeps_to_max_batch_and_the_memory_budget(pair):
@@ -262,5 +261,4 @@ def test_a_failing_batch_ends_its_requests_and_the_server_goes_on(pair, monkeypa
     assert calls[2] == 3
     again = serve_all(engine, greedy_requests()[:2])  # a fresh batch
     for reply, request in zip(again, greedy_requests()[:2], strict=True):
-        reference = greedy_reference(target, request.prompt, request.max_tokens)
-        assert reply.tokens == (reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference)
+        assert reply.tokens == expected(target, request)
