@@ -8,10 +8,10 @@ one cycle for all of them and every stream then emits its part. The others advan
 one cycle each per loop (sliding-window and hybrid targets: every request that way). A batch
 left with one row hands it back to decode alone, with launching ahead and prompt lookup.
 
-A new request is prefilled at the end of a loop, in 512-token chunks; between its chunks the running
-requests go on and newly arrived ones are admitted and prefilled (so a long prompt stalls
-neither). Admission keeps to `max_batch` and
-to a memory budget for the batched caches (every row is as long as the longest). A seeded
+A new request is prefilled at the end of a loop, in 512-token chunks; between its chunks the
+running requests go on and newly arrived ones are admitted and prefilled (so a long prompt
+stalls neither). Admission keeps to `max_batch` and to a memory budget for the batched caches
+(every row is as long as the longest). A seeded
 sampled request draws from MLX's global generator as it would alone: it is not run beside
 another sampled request (greedy ones draw nothing), so its sample repeats exactly.
 """
@@ -49,7 +49,7 @@ class Run:
         self.sampled = req.temperature > 0
         self.seeded = self.sampled and req.seed is not None
         # What may refuse the request comes before a cached session is taken over (or a failure drops it).
-        if req.seed is not None:
+        if self.seeded:  # (a greedy request's seed would only disturb a seeded sample running beside it)
             mx.random.seed(req.seed)
         self.sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
         policy = reproducible(engine.policy, engine.max_block_size, req.seed, req.temperature)
