@@ -213,3 +213,29 @@ def test_what_cannot_be_batched_is_refused_with_its_reason(targets, drafters):
         from test_families import build
 
         assert reason in refusal(DecodingSession(TargetModel(build(family)), None))
+
+
+def test_draft_rows_move_in_and_out_unchanged():
+    """Rows joined one by one (`extend`), some dropped (`filter`), handed back (`row`): each the cache it came from."""
+    from mlx_dflash.draft_cache import DraftContextCache
+
+    rng = np.random.default_rng(0)
+    caches = []
+    for n in (3, 300, 0, 41):
+        cache = DraftContextCache(2, 2, 8, max_block_size=8)
+        if n:
+            cache.append([mx.array(rng.normal(size=(1, 2, n, 8)), dtype=mx.float32) for _ in range(2)],
+                         [mx.array(rng.normal(size=(1, 2, n, 8)), dtype=mx.float32) for _ in range(2)])
+        caches.append(cache)
+    batch = RaggedDraftCache.from_caches(caches[:1])
+    for cache in caches[1:]:
+        batch.extend(RaggedDraftCache.from_caches([cache]))
+    batch.filter([3, 1, 2])
+    assert batch.lengths == [41, 300, 0]
+    for i, source in enumerate(caches[j] for j in (3, 1, 2)):
+        back, n = batch.row(i), source.stored
+        assert back.stored == n and back.capacity >= n + 8
+        if n == 0:  # never written: the source has no buffers yet
+            continue
+        for ours, theirs in zip(back.keys + back.values, source.keys + source.values, strict=True):
+            assert mx.array_equal(ours[..., :n, :], theirs[..., :n, :]).item()
