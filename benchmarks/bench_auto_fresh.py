@@ -22,7 +22,7 @@ import mlx_dflash
 from mlx_dflash.bench.datasets import load_prompts
 from mlx_dflash.bench.proposers import CorruptedGreedyFactory
 from mlx_dflash.bench.runner import chat_ids
-from mlx_dflash.resolve import choose_pair
+from mlx_dflash.loading.resolve import choose_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cycle import machine  # noqa: E402

@@ -25,14 +25,16 @@ from pathlib import Path
 import mlx_dflash
 import mlx.core as mx
 
-from mlx_dflash.batch import SessionBatch
+from mlx_dflash.batching.batch import SessionBatch
 from mlx_dflash.bench.proposers import CorruptedGreedyProposer
-from mlx_dflash.generate import stream_generate, stream_session
-from mlx_dflash.policy import AUTO, FixedBlockSize, make_policy
-from mlx_dflash.sampling import make_sampler
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.generate import stream_generate
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.auto.policy import AUTO, make_policy
+from mlx_dflash.decoding.block_size import FixedBlockSize
+from mlx_dflash.decoding.sampling import make_sampler
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.targets.model import TargetModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cycle import machine  # noqa: E402
@@ -122,7 +124,7 @@ def main() -> None:
     parser.add_argument("--strong-q", type=float, default=0.1, help="share of the strong row's draft tokens corrupted")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.loading.resolve import choose_pair
 
     pair = choose_pair(args.model, args.draft)
     model, tokenizer = mlx_dflash.load(pair.target)[:2]

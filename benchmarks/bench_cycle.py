@@ -26,11 +26,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 
-from mlx_dflash.draft_cache import DraftContextCache
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs, default_target_layer_ids
+from mlx_dflash.drafters.draft_cache import DraftContextCache
+from mlx_dflash.drafters.dflash import DFlashDraftModel, ModelArgs, default_target_layer_ids
 from mlx_dflash.generate import stream_generate
-from mlx_dflash.injection import ContextInjector
-from mlx_dflash.target import TargetModel
+from mlx_dflash.drafters.injection import ContextInjector
+from mlx_dflash.targets.model import TargetModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -46,7 +46,7 @@ def machine() -> str:
     except OSError:
         cpu = platform.processor() or platform.machine()
     device = "Metal GPU" if mx.metal.is_available() else "CPU"
-    blas = "OpenBLAS" if mlx_dflash._platform.openblas_loaded else "bundled BLAS"
+    blas = "OpenBLAS" if mlx_dflash.platform.setup.openblas_loaded else "bundled BLAS"
     return f"{cpu}, {platform.system()} {platform.machine()}, MLX {mx.__version__} {device} ({blas})"
 
 
@@ -72,7 +72,7 @@ def random_drafter(target: TargetModel, num_layers: int = 5, block_size: int = 1
 
 def load_target(path: str | None) -> tuple[nn.Module, object, str]:
     if path is None:
-        from tiny import FakeTokenizer, tiny_target
+        from helpers.tiny import FakeTokenizer, tiny_target
 
         name = "tiny random qwen3 (8 layers, hidden 64)"
         return tiny_target("qwen3", seed=0, num_layers=8), FakeTokenizer(eos_token_ids=()), name

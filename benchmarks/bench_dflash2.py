@@ -32,11 +32,11 @@ from mlx_lm.utils import _get_classes
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cycle import machine  # noqa: E402
 
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs  # noqa: E402
-from mlx_dflash.drafter2 import DFlash2DraftModel  # noqa: E402
-from mlx_dflash.drafter2 import ModelArgs as DFlash2Args  # noqa: E402
-from mlx_dflash.proposer2 import dflash_proposer  # noqa: E402
-from mlx_dflash.target import TargetModel  # noqa: E402
+from mlx_dflash.drafters.dflash import DFlashDraftModel, ModelArgs  # noqa: E402
+from mlx_dflash.drafters.dflash2 import DFlash2DraftModel  # noqa: E402
+from mlx_dflash.drafters.dflash2 import ModelArgs as DFlash2Args  # noqa: E402
+from mlx_dflash.proposers.factory import dflash_proposer  # noqa: E402
+from mlx_dflash.targets.model import TargetModel  # noqa: E402
 
 
 def randomize(model: nn.Module) -> None:

@@ -66,10 +66,10 @@ def worker(args: argparse.Namespace) -> None:
 
     import mlx_dflash
     from mlx_dflash.bench.proposers import CorruptedGreedyProposer
-    from mlx_dflash.distributed import one_rank_at_a_time, world
-    from mlx_dflash.loading import load_target
-    from mlx_dflash.resolve import choose_pair
-    from mlx_dflash.target import as_target
+    from mlx_dflash.distributed.world import one_rank_at_a_time, world
+    from mlx_dflash.loading.loaders import load_target
+    from mlx_dflash.loading.resolve import choose_pair
+    from mlx_dflash.targets.model import as_target
 
     if args.oracle_q is not None:
         model, tokenizer = load_target(one_rank_at_a_time(synthetic_target))

@@ -31,9 +31,9 @@ import mlx.core as mx
 from mlx.utils import tree_map
 
 from mlx_dflash import kernels
-from mlx_dflash.draft_cache import DraftContextCache
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs
-from mlx_dflash.injection import ContextInjector, inject_context_kv_reference
+from mlx_dflash.drafters.draft_cache import DraftContextCache
+from mlx_dflash.drafters.dflash import DFlashDraftModel, ModelArgs
+from mlx_dflash.drafters.injection import ContextInjector, inject_context_kv_reference
 
 # Primitives that only re-describe memory: no launch unless a later op needs a copy.
 VIEWS = {"Reshape", "Transpose", "Slice", "Broadcast", "ExpandDims", "Squeeze", "AsStrided", "Flatten",

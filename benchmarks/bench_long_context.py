@@ -26,13 +26,14 @@ import mlx_dflash
 from mlx_dflash.bench.runner import Record, chat_ids, first_mismatch, padded_text
 from mlx_dflash.bench.datasets import load_prompts
 from mlx_dflash.bench.stats import decode_tps, paired_ratio
-from mlx_dflash.calibration import calibrate
-from mlx_dflash.generate import make_proposer, stream_session
-from mlx_dflash.policy import AUTO, make_policy, parse_block_size
-from mlx_dflash.resolve import choose_pair
-from mlx_dflash.sampling import make_sampler
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.auto.calibration import calibrate
+from mlx_dflash.proposers.factory import make_proposer
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.auto.policy import AUTO, make_policy, parse_block_size
+from mlx_dflash.loading.resolve import choose_pair
+from mlx_dflash.decoding.sampling import make_sampler
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.targets.model import TargetModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cycle import machine  # noqa: E402

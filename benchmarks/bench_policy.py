@@ -9,7 +9,7 @@ Replies of `--max-tokens` tokens are decoded cycle by cycle, as the decode loop 
 policy per reply ("fresh": a one-shot `generate`) and by one calibrated policy serving
 every reply ("served": chat, serve, bench). Printed: tokens per unit time of each,
 as a ratio to the best fixed size. `--policy` adds another implementation (a file
-defining `AutoBlockSize`, e.g. an older `mlx_dflash/policy.py`) to compare with.
+defining `AutoBlockSize`, e.g. an older `mlx_dflash/auto/policy.py`) to compare with.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mlx_dflash.policy import AutoBlockSize, FixedBlockSize, candidate_sizes
+from mlx_dflash.auto.policy import AutoBlockSize, candidate_sizes
+from mlx_dflash.decoding.block_size import FixedBlockSize
 
 AHEAD = 0.92  # a plain step launched before the last one is read, against one in order (CPU)
 

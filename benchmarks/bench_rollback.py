@@ -23,7 +23,7 @@ import mlx_dflash  # noqa: F401
 import mlx.core as mx
 from mlx_lm.utils import _get_classes
 
-from mlx_dflash.target import TargetModel
+from mlx_dflash.targets.model import TargetModel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cycle import machine  # noqa: E402

@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--skip-mlx-lm", action="store_true", help="leave out mlx_lm.server")
     args = parser.parse_args()
     args.clients = [int(c) for c in args.clients.split(",")]
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.loading.resolve import choose_pair
 
     pair = choose_pair(args.model, args.draft)
     texts = prompts(max(args.clients) * args.requests)

@@ -13,8 +13,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from mlx_dflash.auto.policy import AUTO
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import AUTO
 
 from .app import app, err_console
 from .calibrate_cmd import calibration_for, progress_line
@@ -122,19 +122,12 @@ def bench(
     Modes: mlx-lm and target (the target alone), lookup-auto (prompt lookup alone), dflash-SIZE (the
     drafter alone) and dflash+lookup-auto (both, chosen each cycle: what users get by default)."""
     import mlx_dflash
-    from mlx_dflash.bench import (
-        BenchConfig,
-        DFlashEngine,
-        MlxLmEngine,
-        build_document,
-        load_prompts,
-        run_bench,
-    )
+    from mlx_dflash.auto.calibration import measure
+    from mlx_dflash.bench import BenchConfig, DFlashEngine, MlxLmEngine, build_document, load_prompts, run_bench
     from mlx_dflash.bench.proposers import CorruptedGreedyFactory, check_oracle_rates
-    from mlx_dflash.calibration import measure
-    from mlx_dflash.distributed import is_main_process
-    from mlx_dflash.drafter import DEFAULT_BLOCK_SIZE as DEFAULT_DRAFT_BLOCK
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.distributed.world import is_main_process
+    from mlx_dflash.drafters.dflash import DEFAULT_BLOCK_SIZE as DEFAULT_DRAFT_BLOCK
+    from mlx_dflash.loading.resolve import choose_pair
 
     if report is not None:
         from mlx_dflash.bench.report import _pyplot

@@ -33,8 +33,8 @@ def progress_line(description: str) -> Iterator[Callable[[int, int], None]]:
 
 def block_size_option(value: str) -> str:
     """Typer callback: `--block-size` takes auto or a positive integer (else a usage error)."""
+    from mlx_dflash.auto.policy import parse_block_size
     from mlx_dflash.errors import DFlashError
-    from mlx_dflash.policy import parse_block_size
 
     try:
         return str(parse_block_size(value))
@@ -48,9 +48,9 @@ def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool
     missing); None for a fixed block size or without a drafter. Warnings are printed here.
     With `recall`, it carries what earlier runs learnt of the drafter's acceptance (a
     benchmark starts from nothing instead, to be repeatable); `remember_acceptance` saves it."""
-    from mlx_dflash.acceptance_memory import seed
-    from mlx_dflash.calibration import calibrate
-    from mlx_dflash.policy import AUTO
+    from mlx_dflash.auto.acceptance_memory import seed
+    from mlx_dflash.auto.calibration import calibrate
+    from mlx_dflash.auto.policy import AUTO
 
     if drafter is None or (block_size != AUTO and not refresh):
         return None
@@ -65,8 +65,8 @@ def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool
 
 def remember_acceptance(target: Any, drafter: Any, calibration: Any) -> None:
     """Keep what `auto` learnt of the drafter's acceptance this run for the next (rank 0 only)."""
-    from mlx_dflash.acceptance_memory import remember
-    from mlx_dflash.distributed import is_main_process
+    from mlx_dflash.auto.acceptance_memory import remember
+    from mlx_dflash.distributed.world import is_main_process
 
     if calibration is None or calibration.acceptance is None or not is_main_process():
         return
@@ -87,9 +87,9 @@ def calibrate(
     itself; run it after a change to the machine or to MLX, or to see the figures.
     """
     import mlx_dflash
-    from mlx_dflash.calibration import cache_file
+    from mlx_dflash.auto.calibration import cache_file
     from mlx_dflash.errors import DFlashError
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.loading.resolve import choose_pair
 
     choice = choose_pair(model, draft)
     if choice.draft is None:

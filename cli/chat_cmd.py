@@ -16,9 +16,9 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from mlx_dflash.auto.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.files import write_json_atomic
-from mlx_dflash.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
+from mlx_dflash.platform.files import write_json_atomic
 
 from .app import app
 from .calibrate_cmd import block_size_option, calibration_for
@@ -53,7 +53,7 @@ def _load(console: Console, model: str | None, draft: str | None, no_draft: bool
           quantize: bool, q_bits: int, lookup: bool | None = None) -> tuple[Any, Any, Any, list[str], bool]:
     """Resolve and load the pair; returns (model, tokenizer, drafter, lines describing them, prompt lookup on)."""
     import mlx_dflash
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.loading.resolve import choose_pair
 
     if model is None:
         with console.status("preparing the embedded default model (the first start converts it)"):
@@ -84,7 +84,7 @@ def _quantized(console: Console, model: str, bits: int) -> tuple[str, str]:
     from mlx_dflash.convert import ConvertOptions
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
-    from mlx_dflash.resolve import converted, is_short_name, known_pair
+    from mlx_dflash.loading.resolve import converted, is_short_name, known_pair
 
     source = known_pair(model).target if is_short_name(model) else model
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), console=console,

@@ -53,7 +53,7 @@ def convert(
     from mlx_dflash.convert import ConvertOptions
     from mlx_dflash.convert import convert as run_convert
 
-    from mlx_dflash.resolve import download, is_short_name, known_pair
+    from mlx_dflash.loading.resolve import download, is_short_name, known_pair
 
     options = ConvertOptions(dtype=dtype, quantize=quantize, q_bits=q_bits, q_group_size=q_group_size,
                              q_recipe=q_recipe, dequantize=dequantize)

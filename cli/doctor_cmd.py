@@ -18,7 +18,7 @@ SPEED_PROMPT = "Explain in a few sentences why the sky is blue, then give one ev
 def _speed(model: str | None, draft: str | None, no_draft: bool, tokens: int) -> dict[str, Any]:
     import mlx_dflash
     from mlx_dflash.doctor import speed_check
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.loading.resolve import choose_pair
 
     choice = choose_pair(model, draft, no_draft)
     target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft)

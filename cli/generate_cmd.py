@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from mlx_dflash.distributed import world_size
+from mlx_dflash.auto.policy import DEFAULT_BLOCK_SIZE, parse_block_size
+from mlx_dflash.distributed.world import world_size
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import DEFAULT_BLOCK_SIZE, parse_block_size
 
 from .app import app, err_console, fail
 from .calibrate_cmd import block_size_option, calibration_for, remember_acceptance
@@ -50,8 +50,8 @@ def prompt_ids(tokenizer, prompt: str | None, ids: str | None, chat: bool,
 
 def _comm_ms(model, stats) -> float:
     """Distributed: estimated communication per cycle at this run's mean verify width (0 on one machine)."""
-    from mlx_dflash.distributed import world
-    from mlx_dflash.target import as_target
+    from mlx_dflash.distributed.world import world
+    from mlx_dflash.targets.model import as_target
 
     w = world()
     if w is None:
@@ -84,7 +84,7 @@ def generate(
 ) -> None:
     """Generate a completion with DFlash (or the target alone with --no-draft)."""
     import mlx_dflash
-    from mlx_dflash.resolve import choose_pair
+    from mlx_dflash.loading.resolve import choose_pair
 
     if (prompt is None) == (prompt_ids_ is None):  # before any model is loaded or converted
         raise DFlashError("give exactly one of --prompt and --prompt-ids")

@@ -27,7 +27,7 @@ def _register() -> None:
 def _follow_rank_zero() -> None:
     """Under mlx.launch, rank 0 alone prints and writes; the other ranks' stdout goes nowhere
     and their error lines say which rank they come from."""
-    from mlx_dflash.distributed import world
+    from mlx_dflash.distributed.world import world
 
     w = world()
     if w is None or w.is_main:
@@ -45,7 +45,7 @@ def main() -> None:
     except DFlashError as e:
         raise SystemExit(fail(str(e)).exit_code) from None
     except RuntimeError as e:
-        from mlx_dflash.distributed import world
+        from mlx_dflash.distributed.world import world
 
         w = world()
         if w is None or "[ring]" not in str(e) and "[jaccl]" not in str(e) and "[mpi]" not in str(e):

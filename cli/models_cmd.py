@@ -12,7 +12,7 @@ from .app import app
 @app.command()
 def models() -> None:
     """List the short names of known target/drafter pairs and the converted-weights cache."""
-    from mlx_dflash.resolve import KNOWN_PAIRS, cached_conversions, converted_cache_dir, in_hub_cache
+    from mlx_dflash.loading.resolve import KNOWN_PAIRS, cached_conversions, converted_cache_dir, in_hub_cache
 
     console = Console()
     table = Table(title="Known pairs (use the short name as MODEL or SRC)")

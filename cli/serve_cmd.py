@@ -63,11 +63,11 @@ def serve(
     """
     try:
         from mlx_dflash.server import Engine, EngineConfig
+        from mlx_dflash.server.http.state import ServerState
         from mlx_dflash.server.runner import make_server
-        from mlx_dflash.server.state import ServerState
     except ImportError as e:
         raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
-    from mlx_dflash.policy import parse_block_size
+    from mlx_dflash.auto.policy import parse_block_size
 
     from .calibrate_cmd import calibration_for, remember_acceptance
     from .chat_cmd import _load
@@ -75,7 +75,7 @@ def serve(
     size = parse_block_size(block_size)
     _check_port(host, port)
     console = Console(stderr=True, highlight=False, soft_wrap=True)
-    from mlx_dflash.distributed import world
+    from mlx_dflash.distributed.world import world
 
     if world() is not None:
         raise DFlashError("serve does not run distributed (under mlx.launch) yet: serve on one machine, "

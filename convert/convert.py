@@ -13,11 +13,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from mlx_dflash.compat import TargetShape, check_compatible
+from mlx_dflash.drafters.pairing import TargetShape, check_compatible
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.loading import DTYPES, build_drafter, cast_floats, load_checked
+from mlx_dflash.targets.dtypes import DTYPES, cast_floats
 
 from . import build, gguf, gguf_tokenizer
+from .build import build_drafter, load_checked
 from .config import is_drafter, normalise_config, read_config
 from .progress import ProgressFn, no_progress
 from .quantize import check_quant_options, match_packed, packed_layers, quantize, unpack

@@ -17,22 +17,16 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
-from .drafter import DFlashDraftModel
+from .auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
+from .decoding.loop import GenerationEvent, stream_session
+from .decoding.session import DecodingSession, common_prefix
+from .decoding.stats import CycleSummary, GenerationStats
+from .decoding.stream_guard import guarded
+from .drafters.dflash import DFlashDraftModel
 from .errors import DFlashError
-from .generate import (
-    CycleSummary,
-    GenerationEvent,
-    GenerationStats,
-    check_block_size,
-    make_proposer,
-    stream_session,
-)
-from .lookup import PromptLookup
-from .policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
-from .runtime import wired_limit
-from .session import DecodingSession
-from .stream_guard import guarded
-from .target import TargetModel, as_target
+from .platform.runtime import wired_limit
+from .proposers.factory import check_block_size, make_lookup, make_proposer
+from .targets.model import TargetModel, as_target
 
 
 class ContextOverflowError(DFlashError):
@@ -138,15 +132,6 @@ class IncrementalText:
         return piece
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class ChatEngine:
     """Messages, settings and the caches of one conversation."""
 
@@ -163,10 +148,10 @@ class ChatEngine:
         self.target = as_target(model)
         self.tokenizer = tokenizer
         self.draft_model = draft_model
-        self.prompt_lookup = prompt_lookup  # proposals read off the conversation (`mlx_dflash.lookup`)
+        self.prompt_lookup = prompt_lookup  # proposals read off the conversation (`mlx_dflash.proposers.lookup`)
         self.settings = settings or ChatSettings()
         self.max_block_size = check_block_size(None, draft_model, lookup=prompt_lookup)
-        self.calibration = calibration  # seeds `--block-size auto` (mlx_dflash.calibration)
+        self.calibration = calibration  # seeds `--block-size auto` (`mlx_dflash.auto.calibration`)
         self.set_block_size(self.settings.block_size)
         self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None)
         if not getattr(tokenizer, "chat_template", None):
@@ -180,7 +165,7 @@ class ChatEngine:
     # -- state ---------------------------------------------------------------------------
     def _new_session(self) -> DecodingSession:
         proposer = make_proposer(self.target, self.draft_model, self.max_block_size)
-        return DecodingSession(self.target, proposer, lookup=PromptLookup() if self.prompt_lookup else None)
+        return DecodingSession(self.target, proposer, lookup=make_lookup(self.prompt_lookup))
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and every cache."""

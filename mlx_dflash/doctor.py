@@ -24,10 +24,11 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
 
-from . import dtypes, kernels
-from .drafter import DFlashDraftModel, ModelArgs
+from . import kernels
+from .drafters.dflash import DFlashDraftModel, ModelArgs
 from .generate import stream_generate
-from .runtime import device_memory
+from .platform.runtime import device_memory
+from .targets import dtypes
 
 FIXTURE_VOCAB = 512
 FIXTURE_TOKENS = 40

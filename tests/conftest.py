@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random models (cached once per session), a fake tokenizer, markers.
 
-Everything here runs on the CPU in fp32; no network, no real checkpoints.
+Everything here runs on the CPU in fp32; no network, no real checkpoints. The helpers the tests
+share (tiny models, scripted proposers, statistics, references, a live server) are in helpers/.
 """
 
 # ruff: noqa: I001  (mlx_dflash first: on Linux it loads OpenBLAS before mlx.core)
@@ -9,7 +10,6 @@ from __future__ import annotations
 import mlx_dflash  # noqa: F401
 
 import atexit
-import functools
 import os
 import shutil
 import tempfile
@@ -24,11 +24,8 @@ if "MLX_DFLASH_CALIBRATION_DIR" not in os.environ:
     os.environ["MLX_DFLASH_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="mlx-dflash-calibration-")
     atexit.register(shutil.rmtree, os.environ["MLX_DFLASH_CALIBRATION_DIR"], ignore_errors=True)
 
-from tiny import EOS_ID, VOCAB, FakeTokenizer, tiny_drafter, tiny_target  # noqa: E402,F401
-
-# The families the core engine supports, each with its own weight seed (llama and
-# mistral share a config, so equal seeds would give two identical models).
-FAMILIES = {"qwen3": 0, "qwen3_moe": 1, "llama": 2, "mistral": 3, "qwen2": 4}
+from helpers.families import cached_drafter, cached_target  # noqa: E402
+from helpers.tiny import FakeTokenizer  # noqa: E402
 
 
 def pytest_configure(config):
@@ -44,23 +41,6 @@ def tokenizer() -> FakeTokenizer:
 @pytest.fixture
 def make_tokenizer():
     return FakeTokenizer
-
-
-@functools.cache
-def cached_target(family: str, seed: int | None = None, num_layers: int = 4, vocab: int = VOCAB):
-    """One tiny random target per (family, seed, depth, vocab) for the whole session.
-
-    Models are never mutated by the engine, so sharing them between tests is safe.
-    """
-    return tiny_target(family, seed=FAMILIES[family] if seed is None else seed,
-                       num_layers=num_layers, vocab=vocab)
-
-
-@functools.cache
-def cached_drafter(family: str, seed: int = 1, block_size: int = 8, mask_token_id: int = 3,
-                   num_layers: int = 2):
-    return tiny_drafter(cached_target(family), seed=seed, block_size=block_size,
-                        mask_token_id=mask_token_id, num_layers=num_layers)
 
 
 @pytest.fixture(scope="session")

@@ -19,11 +19,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from ..platform.files import write_json_atomic
+from ..proposers.factory import check_block_size
+from ..targets.model import as_target
 from .calibration import cache_file, calibration_key
-from .cycle_model import AcceptanceModel
-from .files import write_json_atomic
-from .generate import check_block_size
-from .target import as_target
+from .estimators import AcceptanceModel
 
 VERSION = 1
 SEED_WEIGHT = 4.0  # observations a remembered position counts for, at most

@@ -28,13 +28,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
-from ._platform import machine
-from .drafter import DFlashDraftModel
-from .files import write_json_atomic
+from ..decoding.session import DecodingSession
+from ..drafters.dflash import DFlashDraftModel
+from ..platform.files import cache_dir, write_json_atomic
+from ..platform.setup import machine
+from ..proposers.factory import dflash_proposer
+from ..targets.model import TargetModel, as_target
 from .policy import candidate_sizes
-from .proposer2 import dflash_proposer
-from .session import DecodingSession
-from .target import TargetModel, as_target
 
 VERSION = 3  # 3: the fastest of 6 timed cycles (of 3, the price ratio of blocks 16 and 8 varied 1.29-1.48)
 DIR_ENV = "MLX_DFLASH_CALIBRATION_DIR"  # where calibrations are kept (tests point it elsewhere)
@@ -84,9 +84,7 @@ def calibration_key(target: TargetModel, drafter: DFlashDraftModel) -> dict[str,
 
 
 def cache_file(key: dict[str, Any]) -> Path:
-    from .resolve import converted_cache_dir
-
-    folder = os.environ.get(DIR_ENV) or converted_cache_dir().parent / "calibration"
+    folder = os.environ.get(DIR_ENV) or cache_dir() / "calibration"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return Path(folder).expanduser() / f"{key['target']['model_type']}-{digest}.json"
 

@@ -28,7 +28,7 @@ changes the speed, never the output.
 - With no evidence of the drafter yet, the widest block is tried: one cycle measures
   every position. Uncalibrated, a plain step follows when its first position was rejected.
 
-Each proposal source (the DFlash drafter, prompt lookup: `lookup.py`) keeps its own
+Each proposal source (the DFlash drafter, prompt lookup: `mlx_dflash.proposers.lookup`) keeps its own
 acceptance and costs; plain steps are priced for all alike. Each cycle takes the source and
 size with the best E[L] / t(L) among the sources that can propose now. Prompt lookup is
 never probed: what its proposal would have done is read off every cycle's committed tokens
@@ -36,19 +36,25 @@ never probed: what its proposal would have done is read off every cycle's commit
 
 When a plain step is best by a margin, whatever any source might propose, and no probe can
 come next, `promise_plain` lets the session launch the next plain step before this one is
-read (`session.py`); the promise binds the next choice. The per-cycle work is a few dozen
+read (`mlx_dflash.decoding.session`); the promise binds the next choice. The per-cycle work is a few dozen
 float operations on Python numbers: no array work, no host sync.
+
+The contract every policy keeps (`BlockSizePolicy`) and the fixed size (`FixedBlockSize`)
+belong to the decode loop (`mlx_dflash.decoding.block_size`); `__all__` names them here
+too, with the rest of what a caller builds a policy from.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from .cycle_model import AcceptanceModel, CostModel, Source, generic_cost, verify_cost
-from .errors import DFlashError
-from .lookup import LOOKUP
+from ..decoding.block_size import BlockSizePolicy, FixedBlockSize
+from ..errors import DFlashError
+from ..proposers.base import DFLASH, LOOKUP
+from ..proposers.lookup import LOOKUP_BLOCK
+from .estimators import AcceptanceModel, CostModel, Source, generic_cost, verify_cost
 
 __all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DFLASH", "LOOKUP_BLOCK", "AcceptanceModel", "AutoBlockSize",
            "BlockSizePolicy", "CostModel", "FixedBlockSize", "Source", "candidate_sizes", "generic_cost",
@@ -57,8 +63,6 @@ __all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DFLASH", "LOOKUP_BLOCK", "AcceptanceMo
 AUTO = "auto"
 DEFAULT_BLOCK_SIZE = AUTO  # the one default of chat, generate, bench, the API and the server
 BASE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
-DFLASH = "dflash"  # the drafter's source name
-LOOKUP_BLOCK = 16  # prompt lookup's widest block (15 proposed tokens)
 
 
 def candidate_sizes(max_block: int) -> list[int]:
@@ -82,65 +86,6 @@ def parse_block_size(text: str | int | None) -> int | str:
     if size < 1:
         raise DFlashError(f"block size must be 'auto' or a positive integer, got {text!r}")
     return size
-
-
-class BlockSizePolicy(Protocol):
-    """What the decode loop asks before each cycle and tells after it."""
-
-    prediction: tuple[float, float] | None  # the last choice's expected (tokens, seconds)
-
-    def begin(self) -> None:
-        """A generation starts (after its prefill)."""
-        ...
-
-    source: str  # the last choice's proposal source
-
-    def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
-        """Block size of the next cycle (at most `limit`), the pending token at `position`;
-        `offers`: the sources that can propose now, and how many tokens each can (default:
-        the drafter). The chosen source is left in `source`."""
-        ...
-
-    def promise_plain(self) -> bool:
-        """Asked after choosing a plain step: will the next cycle be one too? True binds the
-        next `choose` to 1 (the session launches that step early)."""
-        ...
-
-    def record(self, size: int, accepted: int, seconds: float) -> None:
-        """The cycle just chosen finished: its block size, accepted draft tokens, wall time."""
-        ...
-
-    def shadow(self, source: str, drafted: int, accepted: int) -> None:
-        """A source not verified this cycle would have had the first `accepted` of its first
-        `drafted` tokens accepted (read off the committed tokens)."""
-        ...
-
-
-@dataclass
-class FixedBlockSize:
-    """Always the same block size (`--block-size N`)."""
-
-    size: int
-    prediction: tuple[float, float] | None = None
-    source: str = DFLASH
-
-    def begin(self) -> None:
-        pass
-
-    def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
-        """The drafter's block when there is one, else prompt lookup's when it has a match."""
-        offers = {DFLASH: self.size - 1} if offers is None else offers
-        self.source = DFLASH if DFLASH in offers else LOOKUP
-        return max(min(self.size, limit, offers.get(self.source, 0) + 1), 1)
-
-    def promise_plain(self) -> bool:
-        return self.size == 1
-
-    def record(self, size: int, accepted: int, seconds: float) -> None:
-        pass
-
-    def shadow(self, source: str, drafted: int, accepted: int) -> None:
-        pass
 
 
 def make_policy(block_size: int | str, max_block: int, calibration: Any = None, *,

@@ -33,16 +33,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from .errors import DFlashError
-from .policy import DFLASH, BlockSizePolicy
-from .proposer2 import DFlash2Proposer
-from .ragged_cache import RaggedKVCache, unbatch_row
-from .ragged_draft_cache import RaggedDraftCache
-from .runtime import generation_stream
-from .sampling import TargetSampler
-from .session import DecodingSession
-from .speculative import DFlashProposer, Verified
-from .target import TargetModel
+from ..decoding.block_size import BlockSizePolicy
+from ..decoding.sampling import TargetSampler
+from ..decoding.session import DecodingSession
+from ..decoding.step import Verified
+from ..errors import DFlashError
+from ..platform.runtime import generation_stream
+from ..proposers.base import DFLASH
+from ..proposers.dflash import DFlashProposer
+from ..proposers.dflash2 import DFlash2Proposer
+from ..targets.model import TargetModel
+from .draft_cache import RaggedDraftCache
+from .target_cache import RaggedKVCache, unbatch_row
 
 
 def refusal(session: DecodingSession) -> str | None:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from .draft_cache import MIN_CAPACITY, DraftContextCache
-from .errors import DFlashError
+from ..drafters.draft_cache import MIN_CAPACITY, DraftContextCache
+from ..errors import DFlashError
 
 
 class RaggedDraftCache:

@@ -30,7 +30,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 Counts = int | Sequence[int] | mx.array
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DFlashError
-from ..hub import snapshot
+from ..loading.hub import snapshot
 
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL = (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._platform import machine
+from ..platform.setup import machine
 from .runner import BenchResult
 from .stats import summarize
 

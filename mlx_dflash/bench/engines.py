@@ -17,9 +17,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
-from ..drafter import DFlashDraftModel
-from ..generate import check_block_size, stream_generate
-from ..policy import AUTO, make_policy
+from ..auto.policy import AUTO, make_policy
+from ..drafters.dflash import DFlashDraftModel
+from ..generate import stream_generate
+from ..proposers.factory import check_block_size
 
 
 @dataclass

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..errors import DFlashError
 from ..generate import stream_generate
-from ..target import as_target
+from ..targets.model import as_target
 
 
 class CorruptedGreedyProposer:

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from ..generate import acceptance_histogram, mean_acceptance
+from ..decoding.stats import acceptance_histogram, mean_acceptance
 from .runner import Record
 
 ALL = "all"

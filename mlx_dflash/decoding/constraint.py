@@ -24,7 +24,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 INSTALL_HINT = "pip install 'mlx-dflash[serve]'"
 # Whitespace between JSON tokens: a few spaces, or line breaks and indentation (pretty-printing), and

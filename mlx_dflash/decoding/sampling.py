@@ -12,12 +12,13 @@ more than sample-and-match (whose per-token acceptance is only sum p*q).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
+
+from ..proposers.base import Proposal
 
 
 class TargetSampler:
@@ -49,14 +50,6 @@ def make_sampler(temp: float, top_p: float = 0.0, min_p: float = 0.0, top_k: int
     if temp == 0:
         return mlx_lm_make_sampler(0.0)
     return TargetSampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
-
-
-@dataclass
-class Proposal:
-    """What a sampling proposer drew its draft from: q over each position's candidates."""
-
-    candidates: mx.array  # (..., n, k) token ids, distinct per position
-    q: mx.array  # (..., n, k) probabilities, each row summing to 1
 
 
 def draft_block(proposer: Any, sampler: Any, last_token: mx.array, position: int,

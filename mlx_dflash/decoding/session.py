@@ -18,7 +18,7 @@ sampled token before reading this one, so building one step's graph overlaps com
 the last, and charges each cycle the work done for it. Until the next `step` takes it,
 that step is not part of the state: anything else first drops it (`settle`).
 
-With prompt lookup (`lookup.py`) a cycle may verify a proposal read off the committed
+With prompt lookup (`mlx_dflash.proposers.lookup`) a cycle may verify a proposal read off the committed
 tokens instead of a draft; the policy chooses the source, and every cycle tells it what
 the lookup's proposal would have done (`shadow`). A lookup cycle leaves the drafter's
 features queued, as a plain step does.
@@ -32,10 +32,11 @@ from typing import Any
 
 import mlx.core as mx
 
-from .lookup import LOOKUP, PromptLookup
-from .policy import DFLASH, BlockSizePolicy
-from .speculative import Launched, Proposer, Verified, launch_step
-from .target import TargetModel
+from ..proposers.base import DFLASH, LOOKUP, Proposer
+from ..proposers.lookup import PromptLookup
+from ..targets.model import TargetModel
+from .block_size import BlockSizePolicy
+from .step import Launched, Verified, launch_step
 
 PREFILL_CHUNK = 2048
 LOOKUP_TOKENS = 15  # the most tokens prompt lookup proposes (a block of 16)
@@ -75,7 +76,7 @@ class DecodingSession:
         # Asked between `extend`'s prefill chunks to let other work run (a server's other requests).
         self.between_chunks: Callable[[], None] | None = None
         self.prefill_chunk = PREFILL_CHUNK  # positions per prefill forward
-        # In a `batch.SessionBatch`: the batch holds this session's caches and runs its cycles
+        # In a `mlx_dflash.batching.batch.SessionBatch`: the batch holds this session's caches and runs its cycles
         # with the other members'; `cycle` returns this session's part of the last one.
         self.batch: Any = None
 
@@ -282,13 +283,11 @@ class DecodingSession:
         del self.tokens[length:]
 
 
-class Clock:
-    """Wall-clock phases of a generation (prefill, decode)."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        elapsed, self.start = now - self.start, now
-        return elapsed
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share (what a session can keep of a new prompt)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,145 +1,22 @@
-"""One DFlash cycle: draft a block, verify it with the target, accept a prefix.
+"""One speculative step: draft a block, verify it with the target, accept a prefix.
 
-`Proposer` is the drafter seen by the decode loop; `DFlashProposer` is the real
-one (block diffusion over the target's features). Tests plug in oracle and
-always-wrong proposers through the same interface.
+The acceptance rule lives here (`launch_step`): drafted tokens are kept while they equal
+the token the target itself chose at that position, or, when the proposer stated the
+distribution it sampled from, by speculative rejection sampling (`sampling.py`). The
+drafter is reached only through the `Proposer` interface (`mlx_dflash.proposers.base`).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import mlx.core as mx
 
-from .draft_cache import DraftContextCache
-from .drafter import DFlashDraftModel
-from .injection import ContextInjector
+from ..proposers.base import Proposer
+from ..targets.model import TargetModel
 from .sampling import draft_block, rejection_verify
-from .target import TargetModel
-
-logger = logging.getLogger("mlx_dflash")
-# Features kept, at most, until a draft shows they injected finite K/V (float16 drafters only).
-MAX_UNCONFIRMED = 8192
-
-
-class Proposer(Protocol):
-    """Proposes the tokens that follow the last committed token."""
-
-    target_layer_ids: list[int]
-
-    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
-        """`last_token` (1,) sits at absolute `position`; return block_size - 1 tokens."""
-        ...
-
-    def commit(self, features: mx.array, position: int) -> None:
-        """Take the committed positions' target features (1, n, k*D) from `position` on."""
-        ...
-
-    def trim(self, num_positions: int) -> None:
-        """Forget the last committed positions (used when a chat drops a reply)."""
-        ...
-
-    def state_arrays(self) -> list[mx.array]:
-        """Arrays to evaluate so that committed context is materialised."""
-        ...
-
-
-class DFlashProposer:
-    """Block drafting with a DFlash drafter sharing the target's embedding and lm_head."""
-
-    def __init__(
-        self,
-        drafter: DFlashDraftModel,
-        target: TargetModel,
-        *,
-        max_block_size: int,
-        window: int | None = None,
-        injector: ContextInjector | None = None,
-    ):
-        args = drafter.args
-        self.drafter = drafter
-        self.target = target
-        self.target_layer_ids = list(drafter.target_layer_ids)
-        self.injector = injector or ContextInjector.for_drafter(drafter)
-        self.cache = DraftContextCache(
-            args.num_hidden_layers,
-            args.num_key_value_heads,
-            args.head_dim,
-            max_block_size=max_block_size,
-            dtype=drafter.norm.weight.dtype,
-            window=window,
-            layer_windows=args.layer_windows,
-        )
-        self._masks = mx.array([drafter.mask_token_id] * (max_block_size - 1), dtype=mx.uint32)
-        # float16 ends at 65504, and targets' features reach that (massive activations): an overflow in
-        # the feature projection poisons the draft cache. Each draft's finiteness is read with its verify
-        # (`checked`); the features injected since the last finite draft are kept to inject them again.
-        self.guarded = self.cache.dtype == mx.float16
-        self.last_draft_finite: mx.array | None = None  # () bool, lazily: the last draft's logits were finite
-        self._unconfirmed: list[tuple[mx.array, int]] = []  # (features, position) since the last finite draft
-        self._drafted_over = 0  # how many of them the last draft read
-        self._reinjected = False  # they were injected again in float32 once already
-
-    def _note_draft(self, x: mx.array) -> None:
-        if self.guarded:
-            self.last_draft_finite = mx.isfinite(x).all()
-            self._drafted_over = len(self._unconfirmed)
-
-    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
-        block = mx.concatenate([last_token.astype(mx.uint32), self._masks[: block_size - 1]])
-        hidden = self.drafter(self.target.embed(block[None]), self.cache, position)
-        logits = self.target.logits(hidden[:, 1:])
-        self._note_draft(logits)
-        return mx.argmax(logits[0], axis=-1).astype(mx.uint32)
-
-    def commit(self, features: mx.array, position: int) -> None:
-        self.injector(features, position, self.cache)
-        if self.guarded:
-            kept = self._unconfirmed + [(features, position)]
-            while sum(f.shape[1] for f, _ in kept) > MAX_UNCONFIRMED and len(kept) > 1:
-                kept, self._drafted_over = kept[1:], max(self._drafted_over - 1, 0)
-            self._unconfirmed = kept  # a new list: clones of this proposer share the old one
-
-    def checked(self, finite: bool) -> None:
-        """After the verify of a draft: forget the features it confirmed, or, if its logits were not
-        finite, project features in float32 from now on and inject the unconfirmed ones again.
-
-        The cycle itself stays exact (the target rejects a bad draft); the fallback is for the next.
-        """
-        if finite:
-            self._unconfirmed, self._drafted_over = self._unconfirmed[self._drafted_over:], 0
-            return
-        if self._reinjected:
-            logger.warning("mlx-dflash: the float16 drafter's logits are not finite even with float32 features; "
-                           "its drafts will be rejected (convert it to bfloat16)")
-            self.guarded, self._unconfirmed = False, []
-            return
-        if not self.injector.wide:  # the injector is the drafter's: one warning, every session widened
-            logger.warning("mlx-dflash: the float16 drafter's logits were not finite (the target's features "
-                           "overflow float16); projecting them in float32 from here on")
-            self.injector.wide = True
-        self._reinjected = True
-        if not self._unconfirmed:
-            return
-        try:
-            self.cache.trim(self.cache.offset - self._unconfirmed[0][1])
-        except ValueError:  # a sliding draft window no longer holds them: only later positions are helped
-            return
-        for features, position in self._unconfirmed:
-            self.injector(features, position, self.cache)
-        self._drafted_over = 0
-
-    def trim(self, num_positions: int) -> None:
-        self.cache.trim(num_positions)
-        end = self.cache.offset
-        self._unconfirmed = [(f[:, : end - p], p) for f, p in self._unconfirmed if p < end]
-        self._drafted_over = min(self._drafted_over, len(self._unconfirmed))
-
-    def state_arrays(self) -> list[mx.array]:
-        return self.cache.state_arrays()
 
 
 @dataclass

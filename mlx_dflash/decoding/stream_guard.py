@@ -4,6 +4,8 @@
 there (a `break`, a stop request, the consumer's own generator being closed) may keep the
 session for the next turn or request. An exception raised inside a cycle (a hard Ctrl-C)
 may leave uncommitted work in the caches: that session must not be reused as it is.
+The chat wraps its stream in `guarded`; the server, whose worker pulls each request's
+stream across loop iterations, calls `end_stream` when the request ends.
 """
 
 from __future__ import annotations
@@ -11,6 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+
+def end_stream(stream: Iterator[Any], store: Callable[[bool], None], consistent: bool) -> None:
+    """Close `stream` (its session settles), then hand the session on: `store(consistent)`."""
+    stream.close()
+    store(consistent)
 
 
 @contextmanager
@@ -29,5 +37,4 @@ def guarded(stream: Iterator[Any], store: Callable[[bool], None]) -> Iterator[It
         consistent = False
         raise
     finally:
-        stream.close()
-        store(consistent)
+        end_stream(stream, store, consistent)

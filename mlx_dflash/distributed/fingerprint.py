@@ -41,7 +41,7 @@ def installed_versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[name] = "not installed"
     if versions["mlx-dflash"] == "not installed":  # run from a source tree
-        from . import __version__
+        from ..version import __version__
 
         versions["mlx-dflash"] = __version__
     return versions

@@ -17,9 +17,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import DFlashError
 from . import fingerprint
-from .distributed import Distributed
-from .errors import DFlashError
+from .world import Distributed
 
 MAX_PHRASES = 6  # differences named per rank; the rest are counted
 _ABSENT = object()  # a config key one side does not have

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 TIMEOUT_ENV = "MLX_DFLASH_DIST_TIMEOUT"
 DEFAULT_TIMEOUT = 300.0  # seconds without progress before a rank gives up on the others

@@ -18,7 +18,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.base import BaseModelArgs
 from mlx_lm.models.rope_utils import initialize_rope
 
-from . import kernels
+from .. import kernels
 
 if TYPE_CHECKING:
     from .draft_cache import DraftContextCache

@@ -1,6 +1,6 @@
 """The DFlash2 draft model (z-lab `DFlash2DraftModel` checkpoints).
 
-DFlash v1's block drafter (see `drafter.py`, whose attention, MLP, context
+DFlash v1's block drafter (see `dflash.py`, whose attention, MLP, context
 injection and draft cache it reuses) with three additions:
 - around each sublayer a grouped dynamic causal convolution over the block: one
   on the normed input before the sublayer, one on its output after it, both with
@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import drafter as v1
+from . import dflash as v1
 from .selector import CandidateSelector, Selection
 
 if TYPE_CHECKING:
+    from ..targets.model import TargetModel
     from .draft_cache import DraftContextCache
-    from .target import TargetModel
 
 ARCHITECTURE = "DFlash2DraftModel"
 _REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")

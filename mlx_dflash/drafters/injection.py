@@ -13,9 +13,9 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-from . import kernels
+from .. import kernels
+from .dflash import DFlashDraftModel
 from .draft_cache import DraftContextCache
-from .drafter import DFlashDraftModel
 
 _STACKED = ("weight", "scales", "biases", "bias")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import IncompatibleDrafterError
+from ..errors import IncompatibleDrafterError
 
 
 @dataclass(frozen=True)

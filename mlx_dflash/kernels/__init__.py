@@ -8,10 +8,10 @@ MLX_DFLASH_KERNELS=off (or MLX_DFLASH_NO_KERNELS) is set; elsewhere callers keep
 their pure-MLX path, which stays the reference. With MLX_DFLASH_KERNELS=auto (the
 default) each kernel is checked against its pure-MLX twin on first use and falls
 back to it if it fails (`self_check`); =on skips the check. Where each path is exercised: the Metal kernels run only on
-Apple silicon (tests/test_kernels_metal.py, benchmarks/bench_kernels.py); their
-source is run thread by thread on any CPU by tests/emulate_metal.py in CI; the
+Apple silicon (tests/kernels/test_kernels_metal.py, benchmarks/bench_kernels.py); their
+source is run thread by thread on any CPU by tests/helpers/emulate_metal.py in CI; the
 CUDA twin (MLX_DFLASH_CUDA_KERNELS=1) shares the body but is unverified until
-tests/test_kernels_metal.py runs on an NVIDIA device.
+tests/kernels/test_kernels_metal.py runs on an NVIDIA device.
 """
 
 from . import self_check

@@ -81,7 +81,7 @@ THREADGROUP = 64
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """A kernel as `mx.fast.metal_kernel` takes it; tests/emulate_metal.py reads the same fields."""
+    """A kernel as `mx.fast.metal_kernel` takes it; tests/helpers/emulate_metal.py reads the same fields."""
 
     name: str
     input_names: tuple[str, ...]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import DFlashError
+from ..errors import DFlashError
 
 
 def offline(flag: bool = False) -> bool:

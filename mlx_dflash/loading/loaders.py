@@ -9,24 +9,19 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
 
-from . import drafter2
-from .compat import TargetShape, check_compatible  # noqa: F401  (re-exported)
-from .distributed import one_rank_at_a_time, shard_target, world
-from .drafter import DFlashDraftModel, ModelArgs
-from .dtypes import DTYPES, cast_floats, default_dtype  # noqa: F401  (re-exported)
-from .errors import DFlashError
-from .rank_agreement import check_before_loading
+from ..convert.build import build_drafter, load_checked
+from ..convert.config import rope_overrides
+from ..distributed.rank_agreement import check_before_loading
+from ..distributed.world import one_rank_at_a_time, shard_target, world
+from ..drafters.dflash import DFlashDraftModel
+from ..drafters.pairing import check_compatible
+from ..errors import DFlashError
+from ..targets.dtypes import DTYPES, cast_floats, default_dtype
+from ..targets.model import TargetModel, check_forward
 from .resolve import drafter_source, resolve_path, target_source
-from .target import TargetModel, check_forward
 
 DRAFTER_PATTERNS = ["*.json", "*.safetensors"]
-# `architectures` -> (model class, its args); any other name (or none) loads as v1, as it always did.
-DRAFTER_ARCHITECTURES = {
-    "DFlashDraftModel": (DFlashDraftModel, ModelArgs),
-    drafter2.ARCHITECTURE: (drafter2.DFlash2DraftModel, drafter2.ModelArgs),
-}
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -49,46 +44,6 @@ def read_safetensors(directory: Path) -> dict[str, mx.array]:
         except Exception as e:  # MLX raises plain RuntimeError/ValueError on bad files
             raise DFlashError(f"{f}: cannot read safetensors ({str(e).splitlines()[0]})") from e
     return weights
-
-
-def build_drafter(config: dict[str, Any], where: str, num_target_layers: int | None = None) -> DFlashDraftModel:
-    """The drafter a z-lab config describes (random weights), or one clear error."""
-    if "dflash_config" not in config:
-        raise DFlashError(f"{where}: config.json has no dflash_config; not a DFlash drafter")
-    architecture = (config.get("architectures") or ["DFlashDraftModel"])[0]
-    model_cls, args_cls = DRAFTER_ARCHITECTURES.get(architecture, DRAFTER_ARCHITECTURES["DFlashDraftModel"])
-    try:
-        args = args_cls.from_dict(config)
-    except TypeError as e:
-        raise DFlashError(f"{where}: incomplete drafter config ({e})") from None
-    except ValueError as e:
-        raise DFlashError(f"{where}: {e}") from None
-    if num_target_layers is not None:
-        args.resolve_target_layers(num_target_layers)
-    try:
-        return model_cls(args)
-    except ValueError as e:
-        raise DFlashError(f"{where}: {e}") from None
-
-
-def load_checked(model: nn.Module, weights: dict[str, mx.array], where: str) -> None:
-    """Load `weights` into `model`, refusing missing, unexpected or misshapen tensors."""
-    expected = dict(tree_flatten(model.parameters()))
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
-    if missing or unexpected:
-        raise DFlashError(
-            f"{where}: weights do not match the config"
-            + (f"; missing {', '.join(missing[:4])}" if missing else "")
-            + (f"; unexpected {', '.join(unexpected[:4])}" if unexpected else "")
-        )
-    for key, value in expected.items():
-        if weights[key].shape != value.shape:
-            raise DFlashError(
-                f"{where}: weight {key} has shape {tuple(weights[key].shape)}, the config implies {tuple(value.shape)}"
-            )
-    model.load_weights(list(weights.items()), strict=True)
-    mx.eval(model.parameters())
 
 
 def load_drafter(
@@ -137,8 +92,6 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
     if glob.has_magic(str(path)):
         raise DFlashError(f"{path}: mlx-lm finds weight files with glob, which reads [ ] * ? in this path as "
                           "patterns; move or link the model to a path without them")
-    from mlx_dflash.convert.config import rope_overrides
-
     try:
         # transformers-5 configs nest rope_theta; mlx-lm would silently use base 10000.
         # Distributed: loaded lazily, so each rank materialises only its shard.
@@ -152,7 +105,7 @@ def load_target(path_or_repo: str | Path, *, dtype: mx.Dtype | None = None,
         shard_target(model, group)
     cast_floats(model, dtype)
     try:
-        check_forward(TargetModel(model))  # refuses an mlx-lm whose internals drifted from families.py
+        check_forward(TargetModel(model))  # refuses an mlx-lm whose internals drifted from targets/families.py
     except RuntimeError as e:
         if "GatherMM" not in str(e):
             raise
@@ -170,7 +123,7 @@ def load(
     """Load a target (mlx-lm format) and optionally its DFlash drafter.
 
     Each may be a directory, a Hub repo id or a known short name (`Qwen3-8B`, see
-    `mlx_dflash.resolve.KNOWN_PAIRS`); a target may also be a .gguf file or a
+    `mlx_dflash.loading.resolve.KNOWN_PAIRS`); a target may also be a .gguf file or a
     PyTorch-only checkpoint, converted once into the converted-weights cache.
 
     Returns (model, tokenizer, draft_model) ready for `generate`/`stream_generate`.

@@ -13,17 +13,16 @@ import difflib
 import hashlib
 import importlib.util
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .dtypes import default_dtype
-from .errors import DFlashError
+from ..errors import DFlashError
+from ..platform.files import cache_dir
+from ..targets.dtypes import default_dtype
 from .hub import hub_cache_dir, is_repo_id, offline, snapshot
 
-CACHE_ENV = "MLX_DFLASH_CACHE"
 HUB_PATTERNS = [
     "config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
     "vocab.json", "merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template*",
@@ -95,8 +94,7 @@ def resolve_path(path_or_repo: str | Path, allow_patterns: list[str] | None = No
 
 
 def converted_cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlx-dflash")
-    return Path(root).expanduser() / "converted"
+    return cache_dir() / "converted"
 
 
 def download(repo_id: str, *, revision: str | None = None, offline_only: bool = False,
@@ -141,7 +139,7 @@ def cache_key(identity: dict[str, Any], options: dict[str, Any]) -> str:
 def converted(source: str | Path, options: Any = None, *, revision: str | None = None,
               offline_only: bool = False, progress: Any = None) -> Path:
     """The converted-cache directory for `source` (a directory, .gguf file or repo id), converting once."""
-    from .convert import ConvertOptions, convert, no_progress
+    from ..convert import ConvertOptions, convert, no_progress
 
     options = options or ConvertOptions()
     options.validate()
@@ -188,7 +186,7 @@ def in_hub_cache(repo_id: str) -> bool:
 def gguf_options() -> Any:
     """How a GGUF target is converted here: on a CPU its packed Q4/Q8 weights would make every
     multi-token verify ~6x slower than float32 with OpenBLAS, so they are stored dequantized there."""
-    from .convert import ConvertOptions
+    from ..convert import ConvertOptions
 
     return ConvertOptions(dtype="float32", dequantize=True) if default_dtype() is not None else None
 
@@ -219,7 +217,7 @@ def drafter_source(draft: str | Path, *, offline_only: bool = False) -> Path:
     return path if path.exists() else download(text, offline_only=offline_only)
 
 
-EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "default_drafter" / "smollm2-135m-instruct"
+EMBEDDED_DRAFTER = Path(__file__).resolve().parents[1] / "default_drafter" / "smollm2-135m-instruct"
 
 
 def embedded_default_drafter() -> Path | None:

@@ -1,4 +1,4 @@
-"""Writing a JSON file so that a reader sees the old file or the new one, never half of one."""
+"""The project's own files: where they are kept, and JSON written so that a reader never sees half of one."""
 
 from __future__ import annotations
 
@@ -7,6 +7,15 @@ import os
 import uuid
 from pathlib import Path
 from typing import Any
+
+CACHE_ENV = "MLX_DFLASH_CACHE"  # overrides where converted models, calibrations and the like are kept
+
+
+def cache_dir() -> Path:
+    """The folder for what is made once and reused (conversions, calibrations): `$MLX_DFLASH_CACHE`,
+    else `mlx-dflash` under `$XDG_CACHE_HOME` (default `~/.cache`)."""
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "mlx-dflash")
+    return Path(root).expanduser()
 
 
 def write_json_atomic(path: str | os.PathLike[str], data: Any, **json_kwargs: Any) -> None:

@@ -1,24 +1,20 @@
 """Drafting with a DFlash2 drafter through the engine's `Proposer` seam.
 
 Context injection, the draft cache (with its sliding windows) and the block
-forward are v1's (`DFlashProposer`); only the choice of tokens differs: the
+forward are v1's (`dflash.DFlashProposer`); only the choice of tokens differs: the
 candidate selector walks the block, greedily for `propose`, or sampling at the
 target's temperature for `propose_sampled`, which also reports the proposal
-distribution q for rejection sampling (`mlx_dflash.sampling`).
+distribution q for rejection sampling (`mlx_dflash.decoding.sampling`).
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import mlx.core as mx
 
-from .drafter import DFlashDraftModel
-from .drafter2 import DFlash2DraftModel
-from .sampling import Proposal
-from .selector import Selection
-from .speculative import DFlashProposer
-from .target import TargetModel
+from ..drafters.dflash2 import DFlash2DraftModel
+from ..drafters.selector import Selection
+from .base import Proposal
+from .dflash import DFlashProposer
 
 
 class DFlash2Proposer(DFlashProposer):
@@ -38,9 +34,3 @@ class DFlash2Proposer(DFlashProposer):
         """A draft sampled from the selector's q at `temperature`, and q itself."""
         selection = self._select(last_token, position, block_size, temperature)
         return selection.tokens[0].astype(mx.uint32), Proposal(selection.candidates[0], selection.q[0])
-
-
-def dflash_proposer(drafter: DFlashDraftModel, target: TargetModel, **kwargs: Any) -> DFlashProposer:
-    """The proposer for a loaded drafter, v1 or DFlash2 (`kwargs`: DFlashProposer's)."""
-    cls = DFlash2Proposer if isinstance(drafter, DFlash2DraftModel) else DFlashProposer
-    return cls(drafter, target, **kwargs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 
-LOOKUP = "lookup"  # the source's name (`policy.Source`, stats)
+LOOKUP_BLOCK = 16  # prompt lookup's widest block (15 proposed tokens)
 
 
 class PromptLookup:

@@ -1,6 +1,6 @@
 """What ranks other than 0 run in place of the drafter.
 
-Distributed, every rank verifies rank 0's block (`target.agree` in `speculative.launch_step`)
+Distributed, every rank verifies rank 0's block (`target.agree` in `decoding.step.launch_step`)
 and commits rank 0's tokens, so the other ranks' drafts are never used. A follower proposes
 placeholder tokens of the right length and dtype, which the agreement replaces, and keeps no
 draft context: no drafter pass, no context K/V. What it keeps identical to rank 0's proposer
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from .draft_cache import DraftContextCache
-from .drafter import DFlashDraftModel
-from .drafter2 import DFlash2DraftModel
-from .sampling import Proposal
-from .speculative import DFlashProposer
-from .target import TargetModel
+from ..drafters.dflash import DFlashDraftModel
+from ..drafters.dflash2 import DFlash2DraftModel
+from ..drafters.draft_cache import DraftContextCache
+from ..targets.model import TargetModel
+from .base import Proposal
+from .dflash import DFlashProposer
 
 
 class RankFollower:

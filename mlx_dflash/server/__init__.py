@@ -1,11 +1,14 @@
 """`dflash-mlx serve`: OpenAI- and Anthropic-compatible HTTP APIs over one decode worker.
 
-Layers: `app` (routes, auth, errors) -> `openai_api` / `anthropic_api` (request
-validation, response and stream shapes) -> `engine` (a FIFO queue and one decode
-thread running `stream_session`) -> `prompt_cache` (sessions kept across requests).
+Layers, each importing only those after it:
+- `app.py` (the routes, the API key) and `runner.py` (uvicorn, a clean Ctrl-C);
+- `apis/`: chat/completions and completions, Messages, Responses: request to job, events to replies;
+- `reply/`: the reply read as text, reasoning and tool calls; structured output;
+- `http/`: the edge: request guards, typed fields, errors, SSE, what every route shares;
+- `worker/`: the decode thread, its scheduler and the prompt cache, over `stream_session`.
 """
 
 from .app import create_app
-from .engine import Engine, EngineConfig
+from .worker.engine import Engine, EngineConfig
 
 __all__ = ["Engine", "EngineConfig", "create_app"]

@@ -1,7 +1,7 @@
 """The Starlette application: routes, API-key check, and errors in each API's own shape.
 
 What a request must pass first (its origin, size, media type, nesting) is `guard`'s;
-every streamed reply goes out with SSE keep-alives (`sse.with_keepalive`).
+every streamed reply goes out with SSE keep-alives (`http.sse.with_keepalive`).
 
 Starlette (with uvicorn) is small, async and well kept; streaming responses cancel
 their generator when the client goes away, which is how a dropped stream stops
@@ -21,12 +21,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from . import anthropic_api, openai_api, responses_api
-from .errors import APIError
-from .guard import DEFAULT_MAX_BODY_BYTES, OriginGuard, error_json, read_json_body
-from .prompt_cache import describe
-from .sse import with_keepalive
-from .state import ServerState
+from .apis import anthropic_api, openai_api, responses_api
+from .http.errors import APIError
+from .http.guard import DEFAULT_MAX_BODY_BYTES, OriginGuard, error_json, read_json_body
+from .http.sse import with_keepalive
+from .http.state import ServerState
+from .worker.prompt_cache import describe
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

@@ -7,8 +7,8 @@ from typing import Any
 import uvicorn
 
 from .app import create_app
-from .engine import Engine
-from .state import ServerState
+from .http.state import ServerState
+from .worker.engine import Engine
 
 
 class GracefulServer(uvicorn.Server):

@@ -28,8 +28,8 @@ from mlx.nn.layers.distributed import AllToShardedLinear, QuantizedAllToShardedL
 from mlx_lm.models.base import gather_last_axis
 from mlx_lm.models.cache import ConcatenateKVCache, KVCache, QuantizedKVCache, make_prompt_cache
 
-from .distributed import Distributed, world
-from .errors import DFlashError
+from ..distributed.world import Distributed, world
+from ..errors import DFlashError
 from .families import FAMILIES, MixerInputs, TargetFamily
 
 _TRIMMABLE = (KVCache, QuantizedKVCache, ConcatenateKVCache)

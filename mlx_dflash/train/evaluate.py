@@ -8,9 +8,10 @@ from typing import Any
 
 from mlx.utils import tree_flatten
 
-from ..drafter import DFlashDraftModel
-from ..generate import mean_acceptance, stream_generate
-from ..target import TargetModel
+from ..decoding.stats import mean_acceptance
+from ..drafters.dflash import DFlashDraftModel
+from ..generate import stream_generate
+from ..targets.model import TargetModel
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..drafter import DFlashDraftModel
+from ..drafters.dflash import DFlashDraftModel
 from ..errors import DFlashError
 from . import recipe
 

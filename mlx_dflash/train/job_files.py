@@ -46,8 +46,8 @@ def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 
             target_layers: list[int] | None = None, mask_token_id: int | None = None, heldout: int = 64,
             seed: int = 0, max_prompt_tokens: int = 512, every_turn: bool = False) -> Path:
     """Write job.json and prompts.npz for `run`: everything that needs the tokenizer or MLX."""
-    from ..loading import load_target
-    from ..target import TargetModel
+    from ..loading.loaders import load_target
+    from ..targets.model import TargetModel
     from .data import load_conversations, prompt_ids, split_heldout, turn_prompts
     from .recipe import drafter_config
     from .trainer import TrainConfig, build_drafter_args

@@ -15,8 +15,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from ..drafter import Attention, DecoderLayer, DFlashDraftModel
-from ..target import TargetModel
+from ..drafters.dflash import Attention, DecoderLayer, DFlashDraftModel
+from ..targets.model import TargetModel
 
 
 def block_token_ids(tokens: mx.array, anchors: mx.array, block_size: int, mask_token_id: int) -> mx.array:

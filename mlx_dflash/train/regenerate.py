@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 
 from ..generate import stream_generate
-from ..target import TargetModel
+from ..targets.model import TargetModel
 from .data import Conversation, prompt_ids
 
 # Families whose layers take one (B, 1, L, S) mask for every layer, with no sliding window.

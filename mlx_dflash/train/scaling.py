@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..drafter import DFlashDraftModel
+from ..drafters.dflash import DFlashDraftModel
 from .recipe import MIN_SCALE
 
 

@@ -1,6 +1,6 @@
 """The DFlash drafter in PyTorch: the z-lab layout, its training forward, and the block loss.
 
-The same computation as the MLX drafter (`drafter.py`) and its training forward
+The same computation as the MLX drafter (`mlx_dflash/drafters/dflash.py`) and its training forward
 (`model.py`): parameter names equal the published safetensors keys, queries come
 from the block, keys/values from the fused target features (context) and the
 block, RoPE in the half-split layout at absolute positions. Block j starts at

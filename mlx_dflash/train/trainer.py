@@ -29,10 +29,11 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_map
 
-from ..drafter import DFlashDraftModel, ModelArgs, default_target_layer_ids
+from ..drafters.dflash import DFlashDraftModel, ModelArgs, default_target_layer_ids
 from ..errors import DFlashError
-from ..loading import DTYPES, cast_floats, load_target
-from ..target import TargetModel
+from ..loading.loaders import load_target
+from ..targets.dtypes import DTYPES, cast_floats
+from ..targets.model import TargetModel
 from . import checkpoint as ckpt
 from .anchors import Batch, make_batch
 from .data import ExampleStream, load_conversations, prompt_ids, split_heldout

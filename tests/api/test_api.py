@@ -12,12 +12,12 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import drafter_config, greedy_reference, save_drafter, save_target, tiny_drafter, tiny_target
+from helpers.tiny import drafter_config, greedy_reference, save_drafter, save_target, tiny_drafter, tiny_target
 
 from mlx_dflash import DFlashError, generate, load, load_drafter, stream_generate
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs, default_target_layer_ids
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.drafters.dflash import DFlashDraftModel, ModelArgs, default_target_layer_ids
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.targets.model import TargetModel
 
 JSON_KEYS = {"token_ids", "text", "acceptance_lengths", "tau", "prefill_tps", "generation_tps",
              "peak_memory_gb", "finish_reason", "prompt_tokens", "generation_tokens"}

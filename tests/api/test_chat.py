@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
+from helpers.tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
 
 import mlx_dflash
 from mlx_dflash.chat import ChatEngine, ChatSettings, ContextOverflowError, IncrementalText
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.target import TargetModel
+from mlx_dflash.targets.model import TargetModel
 
 
 class CountingTarget(TargetModel):
@@ -328,7 +328,7 @@ def test_incremental_text_keeps_a_leading_space_the_context_decides():
 
 def test_the_store_step_the_chat_and_the_server_share():
     """Stopped at a yield the session is kept; an exception inside a cycle marks it unusable."""
-    from mlx_dflash.stream_guard import guarded
+    from mlx_dflash.decoding.stream_guard import guarded
 
     def run(how: str) -> list:
         log = []

@@ -10,9 +10,9 @@ import sys
 
 import mlx.core as mx
 import pytest
-from emulate_metal import EmulatedKernel, compiler_available
+from helpers.emulate_metal import EmulatedKernel, compiler_available
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx_dflash.cli.main import _register, app
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from typer.testing import CliRunner
 
 from mlx_dflash import doctor, kernels

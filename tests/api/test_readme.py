@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers.paths import REPO
+
+ROOT = REPO
 spec = importlib.util.spec_from_file_location("readme_block", ROOT / ".ci" / "readme_block.py")
 readme_block = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(readme_block)

@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx_dflash.cli.main import _register, app
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from typer.testing import CliRunner
 
-from mlx_dflash import acceptance_memory as memory
-from mlx_dflash import calibration as cal
-from mlx_dflash.calibration import Calibration
-from mlx_dflash.policy import AcceptanceModel, candidate_sizes, make_policy
-from mlx_dflash.target import TargetModel
+from mlx_dflash.auto import acceptance_memory as memory
+from mlx_dflash.auto import calibration as cal
+from mlx_dflash.auto.calibration import Calibration
+from mlx_dflash.auto.policy import AcceptanceModel, candidate_sizes, make_policy
+from mlx_dflash.targets.model import TargetModel
 
 _register()
 

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from mlx_dflash import calibration as cal
-from mlx_dflash.policy import AutoBlockSize, candidate_sizes, make_policy
-from mlx_dflash.target import TargetModel
+from mlx_dflash.auto import calibration as cal
+from mlx_dflash.auto.policy import AutoBlockSize, candidate_sizes, make_policy
+from mlx_dflash.targets.model import TargetModel
 
 
 @pytest.fixture

@@ -7,21 +7,21 @@ import copy
 
 import numpy as np
 import pytest
-from conftest import FAMILIES
-from tiny import VOCAB, ScriptedProposer, greedy_reference
+from helpers.families import FAMILIES
+from helpers.tiny import VOCAB, ScriptedProposer, greedy_reference
 
 from mlx_dflash import stream_generate
-from mlx_dflash.errors import DFlashError
-from mlx_dflash.policy import (
+from mlx_dflash.auto.policy import (
     AUTO,
     AcceptanceModel,
     AutoBlockSize,
     CostModel,
-    FixedBlockSize,
     candidate_sizes,
     make_policy,
     parse_block_size,
 )
+from mlx_dflash.decoding.block_size import FixedBlockSize
+from mlx_dflash.errors import DFlashError
 
 SIZES = candidate_sizes(16)
 
@@ -439,7 +439,7 @@ def test_auto_is_lossless_for_every_family(family, targets, drafters, make_token
 @pytest.mark.parametrize("model_type", ["qwen3_5", "qwen3_5_moe", "qwen3_next"])
 def test_auto_is_lossless_for_hybrid_targets(model_type, make_tokenizer):
     """Recurrent state is checkpointed and brought forward whatever size each cycle has."""
-    from test_families import build
+    from helpers.families import build
 
     model = build(model_type, seed=1)
     prompt = [(11 * i + 5) % VOCAB for i in range(9)]
@@ -470,8 +470,8 @@ def test_sampling_across_auto_chosen_sizes_follows_the_target_distribution(make_
     """Chi-square of the first three sampled tokens when each cycle's size varies (1 or 2, then
     up to 3), against the exact distribution enumerated from the target's logits."""
     import mlx.core as mx
-    from test_sampling import P_HONEST, PROMPT, MemoOracle, N, exact_distributions, pvalues
-    from tiny import tiny_target
+    from helpers.distributions import P_HONEST, PROMPT, MemoOracle, N, exact_distributions, pvalues
+    from helpers.tiny import tiny_target
 
     model = tiny_target("qwen3", seed=2, vocab=16, num_layers=2)
     exact = exact_distributions(model, 1.0, 0.0)

@@ -14,17 +14,19 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FAMILIES
-from tiny import VOCAB, FakeTokenizer, greedy_reference
+from helpers.families import FAMILIES
+from helpers.tiny import VOCAB, FakeTokenizer, greedy_reference
 
-from mlx_dflash.batch import SessionBatch, refusal
+from mlx_dflash.auto.policy import AUTO, make_policy
+from mlx_dflash.batching.batch import SessionBatch, refusal
+from mlx_dflash.batching.draft_cache import RaggedDraftCache
+from mlx_dflash.decoding.block_size import FixedBlockSize
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.decoding.sampling import make_sampler
+from mlx_dflash.decoding.session import DecodingSession
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.generate import make_proposer, stream_session
-from mlx_dflash.policy import AUTO, FixedBlockSize, make_policy
-from mlx_dflash.ragged_draft_cache import RaggedDraftCache
-from mlx_dflash.sampling import make_sampler
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.proposers.factory import make_proposer
+from mlx_dflash.targets.model import TargetModel
 
 BATCHED_GAP = 1e-4  # the largest batched-vs-alone logit gap test_ragged_cache allows
 
@@ -198,7 +200,7 @@ def test_fixture_margins_exceed_the_batched_rounding(targets):
 
 def test_what_cannot_be_batched_is_refused_with_its_reason(targets, drafters):
     """Refusals of the pair (the server then decodes its requests side by side: test_server_batch)."""
-    from tiny_dflash2 import tiny_dflash2
+    from helpers.tiny_dflash2 import tiny_dflash2
 
     target = TargetModel(targets("qwen3"))
     session = DecodingSession(target, make_proposer(target, drafters("qwen3"), 8, draft_window=64))
@@ -210,14 +212,14 @@ def test_what_cannot_be_batched_is_refused_with_its_reason(targets, drafters):
     dflash2 = DecodingSession(target, make_proposer(target, tiny_dflash2(targets("qwen3"))[0], 8))
     assert "DFlash2Proposer proposer drafts one sequence at a time" in refusal(dflash2)
     for family, reason in (("gemma3_text", "sliding-window attention layers"), ("qwen3_next", "recurrent layers")):
-        from test_families import build
+        from helpers.families import build
 
         assert reason in refusal(DecodingSession(TargetModel(build(family)), None))
 
 
 def test_draft_rows_move_in_and_out_unchanged():
     """Rows joined one by one (`extend`), some dropped (`filter`), handed back (`row`): each the cache it came from."""
-    from mlx_dflash.draft_cache import DraftContextCache
+    from mlx_dflash.drafters.draft_cache import DraftContextCache
 
     rng = np.random.default_rng(0)
     caches = []

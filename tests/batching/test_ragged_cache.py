@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
+from mlx_dflash.batching.target_cache import RaggedKVCache, batch_rows, unbatch_row
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.ragged_cache import RaggedKVCache, batch_rows, unbatch_row
-from mlx_dflash.target import TargetModel
+from mlx_dflash.targets.model import TargetModel
 
 ATTENTION_FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"]
 TOL = 1e-4

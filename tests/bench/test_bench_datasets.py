@@ -8,11 +8,12 @@ import re
 from pathlib import Path
 
 import pytest
+from helpers.paths import SHARED_DATA
 
 from mlx_dflash.bench.datasets import DATASETS, HUMANEVAL, REASON, SUMMARY, load_prompts, read_records
 from mlx_dflash.errors import DFlashError
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the repo's ../shared/data
+DATA = SHARED_DATA  # the repo's ../shared/data
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
 
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
+from helpers.paths import REPO
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 
 import mlx_dflash
 from mlx_dflash.bench import (
@@ -24,7 +24,7 @@ from mlx_dflash.bench import (
 from mlx_dflash.bench.runner import first_mismatch
 from mlx_dflash.bench.stats import paired_ratio
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "bench.md"
+DOCS = REPO / "docs" / "bench.md"
 PROMPTS = [
     Prompt("toy", "a", ("Tell me about the sea.",)),
     Prompt("toy", "b", ("Count to five.", "Now backwards.")),

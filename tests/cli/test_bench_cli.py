@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from helpers.paths import SHARED_DATA
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx_dflash.cli.bench_cmd import parse_block_sizes, parse_contexts
 from mlx_dflash.cli.main import _register, app
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from typer.testing import CliRunner
 
 from mlx_dflash.errors import DFlashError
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+DATA = SHARED_DATA
 needs_data = pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
 _register()
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.tiny import EOS_ID, drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx_dflash.cli.main import _register, app
-from tiny import EOS_ID, drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from typer.testing import CliRunner
 
 from mlx_dflash.errors import DFlashError
@@ -145,10 +145,10 @@ def test_multiline_input_and_end_of_input(pair, tmp_path):
 
 def test_embedded_default_target(pair, monkeypatch):
     target, _ = pair
-    import mlx_dflash.resolve
+    import mlx_dflash.loading.resolve
 
-    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_target", lambda: Path(target))
-    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_drafter", lambda: None)
+    monkeypatch.setattr(mlx_dflash.loading.resolve, "embedded_default_target", lambda: Path(target))
+    monkeypatch.setattr(mlx_dflash.loading.resolve, "embedded_default_drafter", lambda: None)
     result = CliRunner().invoke(app, ["chat", "--max-tokens", "3"], input="hi\n")
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
@@ -158,11 +158,11 @@ def test_embedded_default_target(pair, monkeypatch):
 
 
 def test_embedded_default_drafter_is_used_when_shipped(pair, monkeypatch):
-    import mlx_dflash.resolve
+    import mlx_dflash.loading.resolve
 
     target, drafter = pair
-    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_target", lambda: Path(target))
-    monkeypatch.setattr(mlx_dflash.resolve, "embedded_default_drafter", lambda: Path(drafter))
+    monkeypatch.setattr(mlx_dflash.loading.resolve, "embedded_default_target", lambda: Path(target))
+    monkeypatch.setattr(mlx_dflash.loading.resolve, "embedded_default_drafter", lambda: Path(drafter))
     result = CliRunner().invoke(app, ["chat", "--max-tokens", "3"], input="hi\n")
     out = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
@@ -170,7 +170,7 @@ def test_embedded_default_drafter_is_used_when_shipped(pair, monkeypatch):
 
 
 def test_quantized_target_goes_through_the_converted_cache(pair, tmp_path, monkeypatch):
-    from tiny import greedy_reference
+    from helpers.tiny import greedy_reference
 
     import mlx_dflash
     from mlx_dflash import convert as convert_package

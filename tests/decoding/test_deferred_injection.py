@@ -11,9 +11,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.sample_utils import make_sampler
 
-from mlx_dflash.generate import make_proposer
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.proposers.factory import make_proposer
+from mlx_dflash.targets.model import TargetModel
 
 SCHEDULE = [4, 1, 1, 1, 8, 1, 2, 1, 1, 1, 1, 1, 6, 3, 1, 8]  # block size of each cycle
 

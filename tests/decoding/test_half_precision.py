@@ -1,7 +1,7 @@
 """Greedy decoding is exact in half precision, the dtype a Mac computes in by default.
 
 On Metal (and CUDA) `default_dtype()` is None: the target runs in its checkpoint's
-bfloat16 or float16 and the drafter is cast to the target's dtype (`loading.load`); the
+bfloat16 or float16 and the drafter is cast to the target's dtype (`mlx_dflash.load`); the
 other tests run float32. Here every target family of the fixtures (the five core
 families, and the hybrid GatedDeltaNet, sliding-window and multimodal ones that
 `test_families.build` makes) is cast to bfloat16 and to float16 as `mlx_lm.convert` casts
@@ -41,22 +41,21 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FAMILIES
+from helpers.families import FAMILIES, HYBRID_CONFIGS, build
+from helpers.tiny import VOCAB, FakeTokenizer, greedy_reference, tiny_drafter
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
-from test_families import HYBRID_CONFIGS, build
-from tiny import VOCAB, FakeTokenizer, greedy_reference, tiny_drafter
 
 import mlx_dflash
-from mlx_dflash.dtypes import cast_floats
-from mlx_dflash.generate import stream_session
-from mlx_dflash.lookup import PromptLookup
-from mlx_dflash.policy import FixedBlockSize
-from mlx_dflash.sampling import make_sampler
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel, check_forward
+from mlx_dflash.decoding.block_size import FixedBlockSize
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.decoding.sampling import make_sampler
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.proposers.lookup import PromptLookup
+from mlx_dflash.targets.dtypes import cast_floats
+from mlx_dflash.targets.model import TargetModel, check_forward
 
 ALL_FAMILIES = sorted(set(FAMILIES) | set(HYBRID_CONFIGS))
 # name -> (dtype, significand precision in bits, the implicit bit included)

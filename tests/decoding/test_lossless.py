@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import FAMILIES
-from tiny import VOCAB, ScriptedProposer, greedy_reference
+from helpers.families import FAMILIES
+from helpers.tiny import VOCAB, ScriptedProposer, greedy_reference
 
-from mlx_dflash import session as session_module
 from mlx_dflash import stream_generate
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding import session as session_module
+from mlx_dflash.targets.model import TargetModel
 
 CASES_PER_FAMILY = 12  # 5 families x 12 = 60 randomized cases
 
@@ -184,7 +184,7 @@ def test_acceptance_extremes(family, error_rate, targets, make_tokenizer):
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 def test_mask_token_in_the_continuation(family, targets, make_tokenizer):
     """A drafter whose mask_token_id is a token the target emits (and the prompt holds) stays lossless."""
-    from tiny import tiny_drafter
+    from helpers.tiny import tiny_drafter
 
     model = targets(family)
     prompt = [40, 41, 42, 43, 44, 45, 46]

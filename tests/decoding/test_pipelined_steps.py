@@ -8,15 +8,14 @@ target's own and the cache holds exactly the committed tokens but the pending on
 from __future__ import annotations
 
 import pytest
-from conftest import FAMILIES
+from helpers.families import FAMILIES, build
+from helpers.tiny import VOCAB, FakeTokenizer, ScriptedProposer, greedy_reference
 from mlx_lm.sample_utils import make_sampler
-from test_families import build
-from tiny import VOCAB, FakeTokenizer, ScriptedProposer, greedy_reference
 
 from mlx_dflash import stream_generate
-from mlx_dflash.generate import stream_session
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.targets.model import TargetModel
 
 GREEDY = make_sampler(0.0)
 PROMPT = [5, 17, 33, 90, 41, 7]
@@ -142,7 +141,7 @@ def test_a_draft_after_plain_steps_is_charged_for_the_backlog_it_injects(targets
     a run of plain steps pays for them), and each cycle is recorded once, with its size."""
     import time as clock
 
-    from mlx_dflash.policy import FixedBlockSize
+    from mlx_dflash.decoding.block_size import FixedBlockSize
 
     class SlowInjection(ScriptedProposer):
         def commit(self, features, position):

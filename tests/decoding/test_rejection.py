@@ -1,4 +1,4 @@
-"""Speculative rejection sampling (`mlx_dflash.sampling`) is exact, and `TargetSampler` states its distribution.
+"""Speculative rejection sampling (`decoding.sampling`) is exact, and `TargetSampler` states its distribution.
 
 Vectorised over many independent trials: a synthetic target whose next-token
 distribution depends on the previous token, a proposal q over top-k candidates
@@ -13,10 +13,11 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.distributions import chi2_pvalue, filtered
 from mlx_lm.sample_utils import make_sampler as mlx_lm_make_sampler
-from test_sampling import chi2_pvalue, filtered
 
-from mlx_dflash.sampling import Proposal, TargetSampler, make_sampler, rejection_verify
+from mlx_dflash.decoding.sampling import TargetSampler, make_sampler, rejection_verify
+from mlx_dflash.proposers.base import Proposal
 
 V, K, T = 8, 4, 60_000  # vocabulary, candidates per position, trials
 P_HONEST, P_BIASED = 1e-4, 1e-6

@@ -17,57 +17,20 @@ from __future__ import annotations
 import importlib
 
 import mlx.core as mx
-import numpy as np
 import pytest
+from helpers.distributions import P_BROKEN, pit_pvalue
+from helpers.families import build
+from helpers.tiny import EOS_ID, FakeTokenizer, adaptive_options, save_target
 from mlx_lm.models.cache import ArraysCache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
-from scipy.stats import chisquare
-from test_families import build
-from test_session_corners import adaptive_options
-from tiny import EOS_ID, FakeTokenizer, save_target
 
 import mlx_dflash
 from mlx_dflash.chat import ChatEngine, ChatSettings
-from mlx_dflash.target import TargetModel
+from mlx_dflash.targets.model import TargetModel
 
 generate_module = importlib.import_module("mlx_dflash.generate")
 
 P_HONEST = 1e-4  # fixed seeds: every p-value is deterministic
-P_BROKEN = 1e-6
-BINS = 20
 N = 50  # generations per case (x 24 tokens); a greedy-oracle proposal costs most of the time
-
-
-def target_distribution(logits: mx.array, temp: float, top_p: float = 0.0, top_k: int = 0,
-                        min_p: float = 0.0) -> np.ndarray:
-    """What make_sampler(temp, top_p, min_p, top_k) draws from, row by row (float64)."""
-    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    if 0 < top_p < 1:
-        logprobs = apply_top_p(logprobs, top_p)
-    if min_p:
-        logprobs = apply_min_p(logprobs, min_p)
-    if top_k:
-        logprobs = apply_top_k(logprobs, top_k)
-    scaled = np.array((logprobs / temp).astype(mx.float32), dtype=np.float64)
-    scaled -= scaled.max(axis=-1, keepdims=True)
-    probs = np.exp(scaled)
-    return probs / probs.sum(axis=-1, keepdims=True)
-
-
-def pit_pvalue(model, prompts: list[list[int]], outputs: list[list[int]], seed: int, **sampling) -> float:
-    """Chi-square p-value of the randomised PIT of every output token under the target's distribution."""
-    rng = np.random.default_rng(seed)
-    u = []
-    for prompt, out in zip(prompts, outputs, strict=True):
-        logits = model(mx.array([prompt + out[:-1]], dtype=mx.uint32))[0, len(prompt) - 1 :]
-        probs = target_distribution(logits, **sampling)
-        for q, token in zip(probs, out, strict=True):
-            if q[token] == 0:
-                return 0.0  # a token the target could not have sampled
-            above = q[q > q[token]].sum() + q[(q == q[token]) & (np.arange(len(q)) < token)].sum()
-            u.append(above + rng.random() * q[token])
-    observed = np.histogram(u, bins=BINS, range=(0.0, 1.0))[0]
-    return float(chisquare(observed).pvalue)
 
 
 class SessionOracle:
@@ -186,7 +149,7 @@ def test_a_stale_recurrent_state_is_detected(models, monkeypatch, oracle):
 
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
-    from tiny import tiny_target
+    from helpers.tiny import tiny_target
 
     path = save_target(tiny_target("qwen3", seed=5), "qwen3", tmp_path_factory.mktemp("chat-target"))
     model, tokenizer, _ = mlx_dflash.load(str(path))

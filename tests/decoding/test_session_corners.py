@@ -7,23 +7,24 @@ K/V cache is quantized (the trimmable `QuantizedKVCache` rollback branch).
 
 from __future__ import annotations
 
-import inspect
 import time
 
 import mlx.core as mx
 import pytest
+from helpers.families import build
+from helpers.tiny import VOCAB, FakeTokenizer, ScriptedProposer, adaptive_options, greedy_reference
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache, RotatingKVCache
 from mlx_lm.sample_utils import make_sampler
-from test_families import build
-from tiny import VOCAB, FakeTokenizer, ScriptedProposer, greedy_reference
 
 from mlx_dflash import stream_generate
+from mlx_dflash.decoding.loop import GenerationEvent
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.decoding.stats import GenerationStats
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.generate import GenerationEvent, GenerationStats, check_block_size
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.proposers.factory import check_block_size
+from mlx_dflash.targets.model import TargetModel
 
 GREEDY = make_sampler(0.0)
 
@@ -157,8 +158,8 @@ def test_truncate_on_a_sliding_window_target_recomputes_exactly(model_type):
 
 def wide_head_target():
     """A tiny llama whose head dim (32) fits the 32-element quantization groups."""
+    from helpers.tiny import _randomize, target_config
     from mlx_lm.utils import _get_classes
-    from tiny import _randomize, target_config
 
     config = dict(target_config("llama"), hidden_size=128)
     model_cls, args_cls = _get_classes(config)
@@ -205,7 +206,7 @@ def test_quantized_kv_cache_rolls_back_by_trimming():
 
 @pytest.fixture(scope="module")
 def chat_pair(tmp_path_factory):
-    from tiny import save_target, tiny_target
+    from helpers.tiny import save_target, tiny_target
 
     import mlx_dflash
 
@@ -269,11 +270,6 @@ def test_chat_sync_with_nothing_in_common_starts_afresh(chat_pair):
     # sync itself: nothing shared gives the whole rendering back, on an empty session
     other = [42, 43, 44]
     assert engine.sync(other) == other and engine.session.tokens == []
-
-
-def adaptive_options() -> dict:
-    """Adaptive drafting as the engine spells it: `adaptive=True`, or `block_size="auto"` where that replaced it."""
-    return {"adaptive": True} if "adaptive" in inspect.signature(stream_generate).parameters else {"block_size": "auto"}
 
 
 class TruthfulDFlash(DFlashProposer):

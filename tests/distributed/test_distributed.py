@@ -20,11 +20,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_sampling import P_HONEST, chi2_pvalue, exact_distributions
-from test_sampling import SEED as SAMPLING_SEED
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
+from helpers.distributions import P_HONEST, chi2_pvalue, exact_distributions
+from helpers.distributions import SEED as SAMPLING_SEED
+from helpers.paths import TESTS
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 
-HERE = Path(__file__).resolve().parent
+HELPERS = TESTS / "helpers"  # the rank workers mlx.launch runs
 LAUNCH = shutil.which("mlx.launch") or str(Path(sys.executable).parent / "mlx.launch")
 pytestmark = pytest.mark.skipif(not Path(LAUNCH).exists(), reason="mlx.launch not installed")
 
@@ -47,22 +48,21 @@ def _free_port_pair() -> int:
 def launch(args: list[str], timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     command = [LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port_pair()), *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=str(HERE))
+                          env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, cwd=str(TESTS))
 
 
 @pytest.fixture(scope="module")
 def decoded(tmp_path_factory) -> dict:
     prefix = tmp_path_factory.mktemp("dist") / "out"
-    proc = launch([sys.executable, str(HERE / "distributed_worker.py"), str(prefix)], timeout=900)
+    proc = launch([sys.executable, str(HELPERS / "distributed_worker.py"), str(prefix)], timeout=900)
     ranks = [Path(f"{prefix}.rank{r}.json") for r in range(2)]
     assert all(p.is_file() for p in ranks), proc.stdout[-3000:] + proc.stderr[-3000:]
     return {r: json.loads(p.read_text()) for r, p in enumerate(ranks)}
 
 
 def _one_rank_greedy(name: str, prompt: list[int]) -> list[int]:
-    sys.path.insert(0, str(HERE))
-    from distributed_worker import MAX_TOKENS, family_model
-    from tiny import greedy_reference
+    from helpers.distributed_worker import MAX_TOKENS, family_model
+    from helpers.tiny import greedy_reference
 
     return greedy_reference(family_model(name), prompt, MAX_TOKENS)
 
@@ -72,7 +72,7 @@ def _committed(run: dict) -> dict:
 
 
 def test_greedy_on_two_ranks_equals_the_target_alone_on_one(decoded):
-    from distributed_worker import FAMILIES, PROMPTS
+    from helpers.distributed_worker import FAMILIES, PROMPTS
 
     rank0, rank1 = decoded[0], decoded[1]
     assert _committed(rank0) == _committed(rank1)  # every rank committed the same tokens
@@ -90,7 +90,7 @@ def test_greedy_on_two_ranks_equals_the_target_alone_on_one(decoded):
 
 
 def test_ranks_other_than_0_follow_without_drafting_unless_draft_logits_are_a_collective(decoded):
-    from distributed_worker import TOK
+    from helpers.distributed_worker import TOK
 
     leader, follower = decoded[0]["rank"], decoded[1]["rank"]
     assert set(leader) == set(follower)
@@ -110,7 +110,7 @@ def test_ranks_other_than_0_follow_without_drafting_unless_draft_logits_are_a_co
 
 
 def test_seeded_sampling_with_a_dflash2_drafter_commits_rank_0s_tokens_on_both_ranks(decoded):
-    from distributed_worker import MAX_TOKENS, PROMPTS
+    from helpers.distributed_worker import MAX_TOKENS, PROMPTS
 
     samples = decoded[0]["dflash2_sampling"]
     assert samples == decoded[1]["dflash2_sampling"]
@@ -118,7 +118,7 @@ def test_seeded_sampling_with_a_dflash2_drafter_commits_rank_0s_tokens_on_both_r
 
 
 def test_seeded_sampling_on_two_ranks_is_identical_and_exact(decoded):
-    from tiny import tiny_target as build
+    from helpers.tiny import tiny_target as build
 
     samples = np.array(decoded[0]["sampling"]["samples"])
     assert decoded[0]["sampling"] == decoded[1]["sampling"]
@@ -153,7 +153,7 @@ def test_a_rank_that_dies_ends_the_other_with_one_error_line(tmp_path):
     target = save_target(model, "qwen3", tmp_path / "target")
     command = [LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port_pair()), sys.executable, "-m",
                "mlx_dflash.cli", "generate", "-m", str(target), "--prompt-ids", "5,9,33", "--max-tokens", "3000"]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(HERE),
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=str(TESTS),
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "MLX_DFLASH_DIST_TIMEOUT": "60",
                                  "DFLASH_TEST_TAG": str(tmp_path)})
     try:
@@ -193,11 +193,11 @@ def test_generate_cli_on_two_ranks(tmp_path):
 def test_unshardable_families_are_refused_and_one_machine_is_untouched():
     """Without mlx.launch there is no world and `agree` is the identity (no collective in the graph)."""
     import mlx.core as mx
-    from test_families import build
+    from helpers.families import build
 
-    from mlx_dflash.distributed import Distributed, shard_target, world
+    from mlx_dflash.distributed.world import Distributed, shard_target, world
     from mlx_dflash.errors import DFlashError
-    from mlx_dflash.target import TargetModel
+    from mlx_dflash.targets.model import TargetModel
 
     assert world() is None
     x = mx.array([3, 1, 2], dtype=mx.uint32)
@@ -223,8 +223,8 @@ def test_chat_on_two_ranks_reads_rank_0s_input_and_replies_as_one_rank(tmp_path)
         return flat.split(">>>", 1)[1].split(" tokens · ")[0]
 
     command = [LAUNCH, "-n", "2", "--backend", "ring", "-p", str(_free_port_pair()), *args]
-    two = subprocess.run(command, input=script, capture_output=True, text=True, timeout=600, cwd=str(HERE))
-    one = subprocess.run(args, input=script, capture_output=True, text=True, timeout=300, cwd=str(HERE))
+    two = subprocess.run(command, input=script, capture_output=True, text=True, timeout=600, cwd=str(TESTS))
+    one = subprocess.run(args, input=script, capture_output=True, text=True, timeout=300, cwd=str(TESTS))
     assert reply(two.stdout) == reply(one.stdout)
     assert " ".join(two.stdout.split()).count("(as given, local)") == 1  # rank 0 alone printed the header
 
@@ -248,7 +248,7 @@ def test_ranks_with_different_model_configs_stop_at_start_up_with_one_error(tmp_
     save_target(model, "qwen3", tmp_path / "target0")
     _variant(tmp_path / "target0", tmp_path / "target1", _edit_json("config.json", rms_norm_eps=1e-5))
     started = time.monotonic()
-    proc = launch([sys.executable, str(HERE / "per_rank_cli.py"), "generate", "-m", str(tmp_path / "target{rank}"),
+    proc = launch([sys.executable, str(HELPERS / "per_rank_cli.py"), "generate", "-m", str(tmp_path / "target{rank}"),
                    "--prompt-ids", "5,9,33", "--max-tokens", "4"], timeout=300,
                   env={"MLX_DFLASH_DIST_TIMEOUT": "600"})
     elapsed = time.monotonic() - started
@@ -276,7 +276,7 @@ def test_ranks_name_differing_versions_weights_tokenizers_and_drafters_before_lo
     _variant(target, tmp_path / "target_tokenizer", _edit_json("tokenizer_config.json", model_max_length=77))
     _variant(drafter, tmp_path / "drafter_config", _edit_json("config.json", block_size=4))
     prefix = tmp_path / "out"
-    proc = launch([sys.executable, str(HERE / "agreement_worker.py"), str(tmp_path), str(prefix)], timeout=600)
+    proc = launch([sys.executable, str(HELPERS / "agreement_worker.py"), str(tmp_path), str(prefix)], timeout=600)
     ranks = [Path(f"{prefix}.rank{r}.json") for r in range(2)]
     assert all(p.is_file() for p in ranks), proc.stdout[-3000:] + proc.stderr[-3000:]
     rank0, rank1 = (json.loads(p.read_text()) for p in ranks)

@@ -13,17 +13,17 @@ from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
-from tiny import ScriptedProposer, tiny_drafter, tiny_target
-from tiny_dflash2 import tiny_dflash2
+from helpers.tiny import ScriptedProposer, tiny_drafter, tiny_target
+from helpers.tiny_dflash2 import tiny_dflash2
 
-from mlx_dflash import fingerprint
-from mlx_dflash.fingerprint import describe, model_config, safetensors_header_digest, tokenizer_digests
-from mlx_dflash.generate import make_proposer
-from mlx_dflash.rank_agreement import differences, summary
-from mlx_dflash.rank_follower import RankFollower, SampledRankFollower, rank_follower
-from mlx_dflash.sampling import rejection_verify
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.sampling import rejection_verify
+from mlx_dflash.distributed import fingerprint
+from mlx_dflash.distributed.fingerprint import describe, model_config, safetensors_header_digest, tokenizer_digests
+from mlx_dflash.distributed.rank_agreement import differences, summary
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.proposers.factory import make_proposer
+from mlx_dflash.proposers.rank_follower import RankFollower, SampledRankFollower, rank_follower
+from mlx_dflash.targets.model import TargetModel
 
 
 def _save(path: Path, tensors: dict[str, mx.array], metadata: dict[str, str] | None = None) -> Path:

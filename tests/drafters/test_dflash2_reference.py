@@ -16,14 +16,15 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_drafter_reference import numpy_weights, rms_norm, rope, silu, softmax, target_head
-from tiny import tiny_target
-from tiny_dflash2 import tiny_dflash2
+from helpers.numpy_reference import numpy_weights, rms_norm, rope, silu, softmax, target_head
+from helpers.tiny import tiny_target
+from helpers.tiny_dflash2 import tiny_dflash2
 
-from mlx_dflash import selector
-from mlx_dflash.drafter2 import GroupedDynamicConv
-from mlx_dflash.proposer2 import DFlash2Proposer, dflash_proposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.drafters import selector
+from mlx_dflash.drafters.dflash2 import GroupedDynamicConv
+from mlx_dflash.proposers.dflash2 import DFlash2Proposer
+from mlx_dflash.proposers.factory import dflash_proposer
+from mlx_dflash.targets.model import TargetModel
 
 # ---------------------------------------------------------------- the reference
 

@@ -8,15 +8,15 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_families import assert_same_state, decode
-from tiny import VOCAB, greedy_reference
+from helpers.families import assert_same_state, decode
+from helpers.tiny import VOCAB, greedy_reference
 
 from mlx_dflash import stream_generate
-from mlx_dflash.draft_cache import DraftContextCache
-from mlx_dflash.injection import ContextInjector
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.drafters.draft_cache import DraftContextCache
+from mlx_dflash.drafters.injection import ContextInjector
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.targets.model import TargetModel
 
 generate_module = importlib.import_module("mlx_dflash.generate")
 
@@ -291,7 +291,7 @@ def test_truncate_past_a_compacted_window_recomputes(targets, drafters):
 
 def test_injector_is_shared_until_the_drafter_weights_change(targets):
     """Generations reuse one stacked K/V weight; a weight update (training) rebuilds it."""
-    from tiny import tiny_drafter
+    from helpers.tiny import tiny_drafter
 
     drafter = tiny_drafter(targets("qwen3"), seed=9)
     first = ContextInjector.for_drafter(drafter)
@@ -308,7 +308,7 @@ def test_injector_is_shared_until_the_drafter_weights_change(targets):
 def test_quantized_drafter_injects_like_its_own_layers_and_stays_lossless(targets):
     """A quantized drafter: the stacked context projection equals each layer's own k/v_proj."""
     import mlx.nn as nn
-    from tiny import FakeTokenizer, tiny_drafter
+    from helpers.tiny import FakeTokenizer, tiny_drafter
 
     model = targets("qwen3")
     drafter = tiny_drafter(model, seed=4)

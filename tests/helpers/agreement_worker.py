@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 import mlx_dflash
-from mlx_dflash import fingerprint
-from mlx_dflash.distributed import world
+from mlx_dflash.distributed import fingerprint
+from mlx_dflash.distributed.world import world
 from mlx_dflash.errors import DFlashError
 
 # name -> rank 1's target, drafter and mlx version (None: the installed one); rank 0 loads target/, drafter/

@@ -17,20 +17,19 @@ from pathlib import Path
 
 import mlx.core as mx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from test_families import build  # noqa: E402
-from test_sampling import PROMPT as SAMPLING_PROMPT  # noqa: E402
-from test_sampling import SEED as SAMPLING_SEED  # noqa: E402
-from test_sampling import MemoOracle  # noqa: E402
-from tiny import FakeTokenizer, ScriptedProposer, tiny_drafter, tiny_target  # noqa: E402
-from tiny_dflash2 import tiny_dflash2  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers package
 
 import mlx_dflash  # noqa: E402
-from mlx_dflash.distributed import shard_target, world  # noqa: E402
-from mlx_dflash.drafter import DFlashDraftModel  # noqa: E402
-from mlx_dflash.generate import make_proposer  # noqa: E402
-from mlx_dflash.target import TargetModel  # noqa: E402
+from helpers.distributions import PROMPT as SAMPLING_PROMPT  # noqa: E402
+from helpers.distributions import SEED as SAMPLING_SEED  # noqa: E402
+from helpers.distributions import MemoOracle  # noqa: E402
+from helpers.families import build  # noqa: E402
+from helpers.tiny import FakeTokenizer, ScriptedProposer, tiny_drafter, tiny_target  # noqa: E402
+from helpers.tiny_dflash2 import tiny_dflash2  # noqa: E402
+from mlx_dflash.distributed.world import shard_target, world  # noqa: E402
+from mlx_dflash.drafters.dflash import DFlashDraftModel  # noqa: E402
+from mlx_dflash.proposers.factory import make_proposer  # noqa: E402
+from mlx_dflash.targets.model import TargetModel  # noqa: E402
 
 FAMILIES = ["qwen3", "llama_tied", "qwen3_5", "gpt_oss"]
 PROMPTS = [[5, 9, 33], [17, 60, 2, 7, 8], [40, 41, 42, 43, 44, 45, 46], [100, 3], [64, 65, 66, 67]]

@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from tiny import EOS_ID, tiny_drafter, tiny_target
+
+from helpers.tiny import EOS_ID, tiny_drafter, tiny_target
 
 # The special tokens (ids 0-3: EOS_ID is "</s>", the drafter's mask token "<mask>") and printable ASCII.
 BASE_VOCAB = ["<unk>", "<s>", "</s>", "<mask>"] + [chr(c) for c in range(32, 127)]
@@ -59,3 +60,26 @@ def scripted_pair(path, *, template: str, strings: Sequence[str], script: Sequen
     model.lm_head.weight = head
     mx.eval(model.parameters())
     return model, tokenizer, tiny_drafter(model, block_size=block_size, target_layer_ids=target_layer_ids)
+
+
+# A weather tool round trip for the scripted target: 'A:' -> CALL, 'R=' (after a tool result) -> ANSWER.
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANSWER = "It is sunny in Paris."
+# A Qwen3/Hermes-like template: tools listed, earlier calls as <tool_call> JSON, tool results,
+# and a generation prompt that ends differently after a tool result.
+TEMPLATE = (
+    "{%- if greeting is defined %}{{ greeting }}{% endif %}"
+    "{%- if tools %}<s>tools:{% for t in tools %}{{ t.function.name }};{% endfor %}</s>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' and m.tool_calls %}<a>{% for c in m.tool_calls %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}</s>"
+    "{%- elif m.role == 'tool' %}<t>{{ m.content }}</s>"
+    "{%- else %}<{{ m.role[0] }}>{{ m.content }}</s>{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{% if messages[-1].role == 'tool' %}R={% else %}A:{% endif %}{% endif %}"
+)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -8,12 +8,12 @@ import time
 
 import anthropic
 import openai
-from tiny import save_target, tiny_drafter, tiny_target
 
 import mlx_dflash
+from helpers.tiny import save_target, tiny_drafter, tiny_target
 from mlx_dflash.server import Engine, EngineConfig
+from mlx_dflash.server.http.state import ServerState
 from mlx_dflash.server.runner import make_server
-from mlx_dflash.server.state import ServerState
 
 MODEL_ID = "tiny"
 

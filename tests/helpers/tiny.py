@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -11,8 +12,9 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import _get_classes
 
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs
-from mlx_dflash.target import TargetModel
+from mlx_dflash import stream_generate
+from mlx_dflash.drafters.dflash import DFlashDraftModel, ModelArgs
+from mlx_dflash.targets.model import TargetModel
 
 VOCAB = 128  # ids 0..3 are special, the rest printable ASCII
 EOS_ID = 2
@@ -278,7 +280,7 @@ def self_reply_chat(root: Path, model_type: str, *, conversations: int, max_toke
     import gzip
 
     from mlx_dflash.generate import generate
-    from mlx_dflash.loading import load_target
+    from mlx_dflash.loading.loaders import load_target
 
     model = tiny_target(model_type, seed=0)
     for layer in model.model.layers:
@@ -302,3 +304,8 @@ def self_reply_chat(root: Path, model_type: str, *, conversations: int, max_toke
     with gzip.open(data, "wt") as f:
         f.write("\n".join(json.dumps(r) for r in records))
     return target_dir, data
+
+
+def adaptive_options() -> dict:
+    """Adaptive drafting as the engine spells it: `adaptive=True`, or `block_size="auto"` where that replaced it."""
+    return {"adaptive": True} if "adaptive" in inspect.signature(stream_generate).parameters else {"block_size": "auto"}

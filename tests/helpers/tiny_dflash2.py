@@ -5,10 +5,10 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
-from tiny import OracleProposer, drafter_config
 
-from mlx_dflash.drafter2 import DFlash2DraftModel, ModelArgs
-from mlx_dflash.sampling import Proposal
+from helpers.tiny import OracleProposer, drafter_config
+from mlx_dflash.drafters.dflash2 import DFlash2DraftModel, ModelArgs
+from mlx_dflash.proposers.base import Proposal
 
 
 def dflash2_config(target, *, num_layers: int = 3, block_size: int = 8, layer_types=None,

@@ -2,7 +2,7 @@
 
 The Metal kernels have never been compiled by Metal in CI, so the first call of each kernel
 class in a process compares it with its reference (`mlx_dflash.kernels.self_check`). Here the
-kernels run through the host emulation (tests/emulate_metal.py): a correct kernel passes and is
+kernels run through the host emulation (tests/helpers/emulate_metal.py): a correct kernel passes and is
 used; a kernel with a wrong formula, one that does not compile, and one that raises are all
 caught, warned about once, replaced by the reference, and greedy decoding stays exactly the
 target alone's. MLX_DFLASH_KERNELS=off launches nothing; =on skips the check.
@@ -16,12 +16,12 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from emulate_metal import EmulatedKernel, compiler_available
-from test_kernels_emulated import ROPES, make_rope
-from tiny import greedy_reference
+from helpers.emulate_metal import EmulatedKernel, compiler_available
+from helpers.kernel_cases import ROPES, make_rope
+from helpers.tiny import greedy_reference
 
 from mlx_dflash import kernels, stream_generate
-from mlx_dflash.injection import inject_context_kv_reference
+from mlx_dflash.drafters.injection import inject_context_kv_reference
 from mlx_dflash.kernels import _common, block_qk, context_kv, self_check
 
 needs_compiler = pytest.mark.skipif(not compiler_available(), reason="g++ is needed to emulate the Metal kernels")
@@ -61,7 +61,7 @@ def use_kernels(monkeypatch, make_kernel) -> list[str]:
 
 def decode(targets, drafters, max_tokens: int = 24) -> tuple[list[int], list[int]]:
     model, draft = targets("qwen3"), drafters("qwen3", block_size=16)
-    from tiny import FakeTokenizer
+    from helpers.tiny import FakeTokenizer
 
     tokens = []
     for event in stream_generate(model, FakeTokenizer(), PROMPT, draft_model=draft, max_tokens=max_tokens,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_kernels_emulated import (
+from helpers.kernel_cases import (
     BLOCK_CASES,
     CONTEXT_CASES,
     EPS,
@@ -23,11 +23,11 @@ from test_kernels_emulated import (
     f32,
     make_rope,
 )
-from tiny import tiny_drafter, tiny_target
+from helpers.tiny import tiny_drafter, tiny_target
 
 from mlx_dflash import kernels
-from mlx_dflash.draft_cache import DraftContextCache
-from mlx_dflash.injection import ContextInjector, inject_context_kv_reference
+from mlx_dflash.drafters.draft_cache import DraftContextCache
+from mlx_dflash.drafters.injection import ContextInjector, inject_context_kv_reference
 from mlx_dflash.kernels import _common
 
 BACKENDS = [

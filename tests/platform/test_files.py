@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from mlx_dflash import acceptance_memory, calibration
-from mlx_dflash.files import write_json_atomic
-from mlx_dflash.policy import AcceptanceModel
-from mlx_dflash.target import TargetModel
+from mlx_dflash.auto import acceptance_memory, calibration
+from mlx_dflash.auto.policy import AcceptanceModel
+from mlx_dflash.platform.files import write_json_atomic
+from mlx_dflash.targets.model import TargetModel
 
 
 def test_writes_and_replaces(tmp_path):

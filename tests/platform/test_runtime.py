@@ -14,18 +14,21 @@ import threading
 
 import mlx.core as mx
 import pytest
+from helpers.families import HYBRID_CONFIGS
+from helpers.tiny import FakeTokenizer, greedy_reference, target_config, tiny_drafter, tiny_target
 from mlx.utils import tree_flatten
 from mlx_lm.utils import _get_classes
-from test_families import HYBRID_CONFIGS
-from tiny import FakeTokenizer, greedy_reference, target_config, tiny_drafter, tiny_target
 
-from mlx_dflash import acceptance_memory, runtime, stream_generate
-from mlx_dflash.drafter import DFlashDraftModel
-from mlx_dflash.server import Engine, EngineConfig, prompt_cache
-from mlx_dflash.server.jobs import Finished, GenerationRequest
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash import stream_generate
+from mlx_dflash.auto import acceptance_memory
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.drafters.dflash import DFlashDraftModel
+from mlx_dflash.platform import runtime
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.server import Engine, EngineConfig
+from mlx_dflash.server.worker import prompt_cache
+from mlx_dflash.server.worker.jobs import Finished, GenerationRequest
+from mlx_dflash.targets.model import TargetModel
 
 PROMPT = [5, 17, 42, 9, 77, 31, 8, 64, 12, 90, 33, 21, 6, 44, 19, 23]
 FAMILIES = ["qwen3", "gpt_oss", "gemma3_text", "qwen3_5"]  # attention, sliding window (2), hybrid
@@ -41,7 +44,7 @@ def lazily_loaded(model_type: str, tmp_path) -> tuple:
     if model_type == "qwen3":
         source = tiny_target("qwen3", seed=3)
     else:
-        from test_families import build
+        from helpers.families import build
 
         source = build(model_type, seed=3)
     drafter_source = tiny_drafter(source, seed=4, block_size=8, target_layer_ids=[0, 2])

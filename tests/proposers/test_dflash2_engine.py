@@ -10,21 +10,22 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FAMILIES, cached_target
+from helpers.distributions import PROMPT, exact_distributions, pvalues, sample_many
+from helpers.families import FAMILIES, cached_target
+from helpers.tiny import OracleProposer, drafter_config, greedy_reference, save_drafter, tiny_drafter, tiny_target
+from helpers.tiny_dflash2 import tiny_dflash2
 from mlx.utils import tree_flatten
-from test_sampling import PROMPT, exact_distributions, pvalues, sample_many
-from tiny import OracleProposer, drafter_config, greedy_reference, save_drafter, tiny_drafter, tiny_target
-from tiny_dflash2 import tiny_dflash2
 
 from convert import ConvertOptions, convert
 from mlx_dflash import stream_generate
-from mlx_dflash.drafter import DFlashDraftModel
-from mlx_dflash.drafter2 import DFlash2DraftModel
+from mlx_dflash.drafters.dflash import DFlashDraftModel
+from mlx_dflash.drafters.dflash2 import DFlash2DraftModel
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.loading import load_drafter
-from mlx_dflash.proposer2 import DFlash2Proposer, dflash_proposer
-from mlx_dflash.resolve import KNOWN_PAIRS
-from mlx_dflash.target import TargetModel
+from mlx_dflash.loading.loaders import load_drafter
+from mlx_dflash.loading.resolve import KNOWN_PAIRS
+from mlx_dflash.proposers.dflash2 import DFlash2Proposer
+from mlx_dflash.proposers.factory import dflash_proposer
+from mlx_dflash.targets.model import TargetModel
 
 generate_module = importlib.import_module("mlx_dflash.generate")
 
@@ -139,7 +140,7 @@ def test_known_pairs_name_dflash2_drafters():
 
 @pytest.fixture(scope="module")
 def sampling_pair():
-    from test_sampling import SEED, VOCAB
+    from helpers.distributions import SEED, VOCAB
 
     model = tiny_target("qwen3", seed=SEED, vocab=VOCAB, num_layers=2)
     drafter, _ = tiny_dflash2(model, seed=3, num_layers=2, top_k=6, block_size=4, softcap=None,
@@ -170,7 +171,7 @@ def test_sampled_dflash2_follows_the_target_distribution(sampling_pair, make_tok
 def test_dflash2_on_the_emulated_kernel_path_matches_the_pure_path(tmp_path, monkeypatch):
     """Context injection and the block Q/K preparation run through the (host-emulated) Metal
     kernels for DFlash2 layers too, masks and convolutions included: same hidden states, same draft."""
-    from emulate_metal import EmulatedKernel, compiler_available
+    from helpers.emulate_metal import EmulatedKernel, compiler_available
 
     from mlx_dflash import kernels
     from mlx_dflash.kernels import _common
@@ -215,9 +216,9 @@ def test_dflash2_on_the_emulated_kernel_path_matches_the_pure_path(tmp_path, mon
 def test_rejection_sampling_accepts_more_than_sample_and_match(make_tokenizer):
     """The same oracle drafter at temperature 1: verified by rejection sampling with its q, it
     accepts far more per cycle than its greedy draft does under sample-and-match."""
-    from tiny_dflash2 import OracleSampledProposer
+    from helpers.tiny_dflash2 import OracleSampledProposer
 
-    from mlx_dflash.sampling import TargetSampler
+    from mlx_dflash.decoding.sampling import TargetSampler
 
     model = cached_target("qwen3", vocab=16)
     prompt = [5, 9, 4, 12, 7]
@@ -235,8 +236,8 @@ def test_rejection_sampling_accepts_more_than_sample_and_match(make_tokenizer):
 
 def test_generate_and_bench_commands_run_a_dflash2_drafter(tmp_path):
     """`dflash-mlx generate` and `bench` take a DFlash2 drafter directory as they take a v1 one."""
+    from helpers.tiny import save_target
     from mlx_dflash.cli.main import _register, app
-    from tiny import save_target
     from typer.testing import CliRunner
 
     _register()

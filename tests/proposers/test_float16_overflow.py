@@ -15,12 +15,12 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from tiny import FakeTokenizer, greedy_reference, tiny_drafter, tiny_target
+from helpers.tiny import FakeTokenizer, greedy_reference, tiny_drafter, tiny_target
 
 from mlx_dflash import stream_generate
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.speculative import DFlashProposer
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.proposers.dflash import DFlashProposer
+from mlx_dflash.targets.model import TargetModel
 
 MAGNITUDE = 60_000.0  # representable in float16; sums of a few such products are not
 PROMPT = [5, 17, 42, 9, 77, 31, 8, 64, 12, 90, 33, 21, 6, 44]

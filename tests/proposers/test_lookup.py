@@ -14,19 +14,20 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from conftest import FAMILIES
-from test_families import HYBRID_CONFIGS, build
-from test_sampling_paths import P_BROKEN, P_HONEST, pit_pvalue
-from tiny import VOCAB, FakeTokenizer, ScriptedProposer, greedy_reference, tiny_drafter
+from helpers.distributions import P_BROKEN, P_HONEST, pit_pvalue
+from helpers.families import FAMILIES, HYBRID_CONFIGS, build
+from helpers.tiny import VOCAB, FakeTokenizer, ScriptedProposer, greedy_reference, tiny_drafter
 
 import mlx_dflash
-from mlx_dflash import session as session_module
-from mlx_dflash.generate import stream_session
-from mlx_dflash.lookup import LOOKUP, PromptLookup
-from mlx_dflash.policy import DFLASH, AutoBlockSize, FixedBlockSize
-from mlx_dflash.sampling import make_sampler
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.auto.policy import AutoBlockSize
+from mlx_dflash.decoding import session as session_module
+from mlx_dflash.decoding.block_size import FixedBlockSize
+from mlx_dflash.decoding.loop import stream_session
+from mlx_dflash.decoding.sampling import make_sampler
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.proposers.base import DFLASH, LOOKUP
+from mlx_dflash.proposers.lookup import PromptLookup
+from mlx_dflash.targets.model import TargetModel
 
 GREEDY = make_sampler(0.0)
 
@@ -233,7 +234,7 @@ def test_prefill_chunks_do_not_change_lookup(monkeypatch):
 def test_the_server_prompt_cache_copies_and_rolls_back_the_index():
     """A cached session a new prompt diverges from is copied and the copy rolled back: both
     indexes stay those of their own tokens; decoding from the copy equals the target alone."""
-    from mlx_dflash.server.prompt_cache import PromptCache
+    from mlx_dflash.server.worker.prompt_cache import PromptCache
 
     model = build("qwen3", seed=4)
     target = TargetModel(model)

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from serverkit import MODEL_ID, LiveServer, anthropic_client, tiny_pair
-from tiny import EOS_ID, greedy_reference
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, tiny_pair
+from helpers.tiny import EOS_ID, greedy_reference
 
-from mlx_dflash.server import anthropic_api
-from mlx_dflash.server.state import ServerState
+from mlx_dflash.server.apis import anthropic_api
+from mlx_dflash.server.http.state import ServerState
 
 
 @pytest.fixture(scope="module")

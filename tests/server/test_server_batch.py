@@ -15,13 +15,13 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client, tiny_pair
-from test_families import HYBRID_CONFIGS, build
-from tiny import EOS_ID, VOCAB, FakeTokenizer, greedy_reference, tiny_drafter
+from helpers.families import HYBRID_CONFIGS, build
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client, tiny_pair
+from helpers.tiny import EOS_ID, VOCAB, FakeTokenizer, greedy_reference, tiny_drafter
 
-from mlx_dflash import session as session_module
+from mlx_dflash.decoding import session as session_module
 from mlx_dflash.server import Engine, EngineConfig
-from mlx_dflash.server.jobs import Finished, GenerationRequest, Step
+from mlx_dflash.server.worker.jobs import Finished, GenerationRequest, Step
 
 
 class Reply:
@@ -215,8 +215,7 @@ def test_targets_a_batch_cannot_take_decode_side_by_side_and_say_why(model_type,
 
 
 def test_both_apis_and_tools_under_concurrency(tmp_path):
-    from scripted import scripted_pair
-    from test_server_tools import CALL, TEMPLATE, WEATHER
+    from helpers.scripted import CALL, TEMPLATE, WEATHER, scripted_pair
 
     pair = scripted_pair(tmp_path, template=TEMPLATE, strings=[CALL, "It is sunny."],
                          script=[(":", CALL), (CALL, "</s>"), ("=", "It is sunny."), ("It is sunny.", "</s>")])
@@ -242,7 +241,7 @@ def test_both_apis_and_tools_under_concurrency(tmp_path):
 
 
 def test_a_failing_batch_ends_its_requests_and_the_server_goes_on(pair, monkeypatch):
-    from mlx_dflash.batch import SessionBatch
+    from mlx_dflash.batching.batch import SessionBatch
 
     target, tokenizer, drafter = pair
     real_step, calls = SessionBatch.step, []

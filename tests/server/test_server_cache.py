@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import openai
 import pytest
+from helpers.families import build
+from helpers.serverkit import MODEL_ID, LiveServer
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, write_tokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from serverkit import MODEL_ID, LiveServer
-from test_families import build
-from tiny import EOS_ID, greedy_reference, tiny_drafter, write_tokenizer
 
-from mlx_dflash.server.prompt_cache import PromptCache, session_bytes
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.server.worker.prompt_cache import PromptCache, session_bytes
+from mlx_dflash.targets.model import TargetModel
 
 SPECIALS = {0, 1, 3}  # decode to markup that does not re-encode to the same ids
 
@@ -110,7 +110,7 @@ def test_copies_keep_their_state_when_the_original_is_written_in_place():
     import mlx.core as mx
     from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
-    from mlx_dflash.target import copy_cache
+    from mlx_dflash.targets.model import copy_cache
 
     ones = mx.ones((1, 2, 3, 4))
     nested = CacheList(KVCache(), ArraysCache(1))

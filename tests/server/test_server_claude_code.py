@@ -13,9 +13,9 @@ import json
 import anthropic
 import httpx
 import pytest
-from scripted import scripted_pair
-from serverkit import MODEL_ID, LiveServer, anthropic_client
-from tiny import EOS_ID, greedy_reference
+from helpers.scripted import scripted_pair
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client
+from helpers.tiny import EOS_ID, greedy_reference
 
 THOUGHT = "The user asks about the weather, so I call the weather tool."
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'

@@ -10,8 +10,8 @@ import time
 
 import httpx
 import pytest
-from serverkit import free_port
-from tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
+from helpers.serverkit import free_port
+from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 
 CLI = [sys.executable, "-c", "from mlx_dflash.cli.main import main; main()"]  # what the dflash-mlx script runs
 

@@ -12,18 +12,18 @@ import time
 
 import httpx
 import pytest
+from helpers.families import build
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target, write_tokenizer
 from mlx_lm.tokenizer_utils import load as load_tokenizer
-from serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
-from test_families import build
-from tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target, write_tokenizer
 
-import mlx_dflash.session as session_module
+from mlx_dflash.decoding import session as session_module
+from mlx_dflash.decoding.session import DecodingSession
 from mlx_dflash.server import EngineConfig
-from mlx_dflash.server.guard import MAX_JSON_DEPTH, json_depth
-from mlx_dflash.server.prompt_cache import PromptCache, session_bytes
-from mlx_dflash.server.sse import KEEPALIVE, with_keepalive
-from mlx_dflash.session import DecodingSession
-from mlx_dflash.target import TargetModel
+from mlx_dflash.server.http.guard import MAX_JSON_DEPTH, json_depth
+from mlx_dflash.server.http.sse import KEEPALIVE, with_keepalive
+from mlx_dflash.server.worker.prompt_cache import PromptCache, session_bytes
+from mlx_dflash.targets.model import TargetModel
 
 CHAT = {"model": MODEL_ID, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 MESSAGE = {"model": MODEL_ID, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}

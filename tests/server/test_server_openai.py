@@ -15,8 +15,8 @@ import httpx
 import mlx.core as mx
 import openai
 import pytest
-from serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
-from tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
+from helpers.serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
 
 import mlx_dflash
 
@@ -309,7 +309,7 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server):
 
 
 def test_token_logprobs_read_each_tokens_row():
-    from mlx_dflash.server.jobs import token_logprobs
+    from mlx_dflash.server.worker.jobs import token_logprobs
 
     rows = mx.log(mx.array([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]))
     first, second = token_logprobs(rows, [0, 2], top=2)
@@ -323,7 +323,7 @@ def test_token_logprobs_read_each_tokens_row():
 def test_event_logprobs_are_the_rows_each_token_was_sampled_from(targets, drafters, make_tokenizer):
     """Every event's rows, plain steps launched ahead included, are the target's own
     distribution at that token: the same as a plain forward over the whole text."""
-    from tiny import VOCAB, ScriptedProposer, greedy_reference
+    from helpers.tiny import VOCAB, ScriptedProposer, greedy_reference
 
     from mlx_dflash import stream_generate
 

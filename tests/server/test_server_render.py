@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
-from mlx_dflash.server.state import ServerState
+from mlx_dflash.server.http.state import ServerState
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 MESSAGES = [{"role": "user", "content": "hi"}]

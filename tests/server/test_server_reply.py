@@ -8,12 +8,12 @@ import json
 import httpx
 import mlx_lm
 import pytest
+from helpers.scripted import scripted_pair, scripted_tokenizer
+from helpers.serverkit import MODEL_ID, LiveServer, openai_client
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.tool_parsers import json_tools, mistral, qwen3_coder
-from scripted import scripted_pair, scripted_tokenizer
-from serverkit import MODEL_ID, LiveServer, openai_client
 
-from mlx_dflash.server.reply import ReasoningDelta, ReplyFormat, ReplyParser, TextDelta, ToolCallItem
+from mlx_dflash.server.reply.parser import ReasoningDelta, ReplyFormat, ReplyParser, TextDelta, ToolCallItem
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

@@ -13,14 +13,14 @@ import httpx
 import openai
 import pydantic
 import pytest
+from helpers.scripted import scripted_pair
+from helpers.serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
+from helpers.tiny import EOS_ID, greedy_reference
 from openai.types.responses import ResponseStreamEvent
-from scripted import scripted_pair
-from serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
-from tiny import EOS_ID, greedy_reference
 
-from mlx_dflash.generate import GenerationStats
-from mlx_dflash.server.jobs import Finished, GenerationRequest, Step
-from mlx_dflash.server.responses_api import Options, OutputBuilder
+from mlx_dflash.decoding.stats import GenerationStats
+from mlx_dflash.server.apis.responses_api import Options, OutputBuilder
+from mlx_dflash.server.worker.jobs import Finished, GenerationRequest, Step
 
 THOUGHT_TEXT = "The user asks about Paris."
 THOUGHT = THOUGHT_TEXT + "\n</think>\n\n"

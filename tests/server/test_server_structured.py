@@ -9,11 +9,11 @@ import sys
 
 import httpx
 import pytest
-from scripted import scripted_pair
-from serverkit import MODEL_ID, LiveServer, openai_client
+from helpers.scripted import scripted_pair
+from helpers.serverkit import MODEL_ID, LiveServer, openai_client
 
-from mlx_dflash.server.errors import APIError
-from mlx_dflash.server.structured import PlainReply, format_kind
+from mlx_dflash.server.http.errors import APIError
+from mlx_dflash.server.reply.structured import PlainReply, format_kind
 
 FENCED = '```json\n{"city": "Paris"}\n```'  # what the target wants to say
 JSON_REPLY = '{"city": "Paris"}'  # its second choice

@@ -13,12 +13,12 @@ import anthropic
 import httpx
 import openai
 import pytest
-from scripted import scripted_pair, scripted_tokenizer
-from serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
+from helpers.scripted import scripted_pair, scripted_tokenizer
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
 
-from mlx_dflash.constraint import TokenConstraint
-from mlx_dflash.server.errors import APIError
-from mlx_dflash.server.structured import forced_call_parser, tool_choice_constraint
+from mlx_dflash.decoding.constraint import TokenConstraint
+from mlx_dflash.server.http.errors import APIError
+from mlx_dflash.server.reply.structured import forced_call_parser, tool_choice_constraint
 
 PLAIN = "It is sunny in Paris."  # what the target would rather say
 BAD = '<tool_call>\n{"name": "get_weather", "arguments": {"city": 5}}\n</tool_call>'  # its next choice: no city

@@ -6,29 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from scripted import scripted_pair
-from serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
+from helpers.scripted import ANSWER, CALL, TEMPLATE, WEATHER, scripted_pair
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
 
-from mlx_dflash.server.text import TextFilter
-
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
-ANSWER = "It is sunny in Paris."
-# A Qwen3/Hermes-like template: tools listed, earlier calls as <tool_call> JSON, tool results,
-# and a generation prompt that ends differently after a tool result.
-TEMPLATE = (
-    "{%- if greeting is defined %}{{ greeting }}{% endif %}"
-    "{%- if tools %}<s>tools:{% for t in tools %}{{ t.function.name }};{% endfor %}</s>{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' and m.tool_calls %}<a>{% for c in m.tool_calls %}<tool_call>"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}</s>"
-    "{%- elif m.role == 'tool' %}<t>{{ m.content }}</s>"
-    "{%- else %}<{{ m.role[0] }}>{{ m.content }}</s>{% endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{% if messages[-1].role == 'tool' %}R={% else %}A:{% endif %}{% endif %}"
-)
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "Weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+from mlx_dflash.server.worker.text import TextFilter
 
 
 @pytest.fixture(scope="module")

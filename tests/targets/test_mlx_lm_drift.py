@@ -1,6 +1,6 @@
 """The load-time self-check against mlx-lm drift, and the mlx-lm range it was tested with.
 
-`families.py` rebuilds each family's forward from mlx-lm's parts (private ones
+`mlx_dflash/targets/families.py` rebuilds each family's forward from mlx-lm's parts (private ones
 included). If a future mlx-lm changed those parts, our forward would decode a
 different model than `model(x)` without an error; `check_forward` must refuse it.
 """
@@ -9,21 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
 import pytest
+from helpers.families import HYBRID_CONFIGS, build
+from helpers.paths import REPO
+from helpers.tiny import FAMILY_CONFIGS, save_target, tiny_target
 from packaging.specifiers import SpecifierSet
-from test_families import HYBRID_CONFIGS, build
-from tiny import FAMILY_CONFIGS, save_target, tiny_target
 
-from mlx_dflash import target as target_module
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.loading import load_target
-from mlx_dflash.target import MLX_LM_TESTED, TargetModel, check_forward
+from mlx_dflash.loading.loaders import load_target
+from mlx_dflash.targets import model as target_module
+from mlx_dflash.targets.model import MLX_LM_TESTED, TargetModel, check_forward
 
-PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PYPROJECT = REPO / "pyproject.toml"
 
 
 def test_installed_mlx_lm_is_inside_the_declared_tested_range():

@@ -5,13 +5,13 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.tiny import tiny_drafter, tiny_target
 from mlx.utils import tree_flatten
-from tiny import tiny_drafter, tiny_target
 
-from mlx_dflash.draft_cache import DraftContextCache
-from mlx_dflash.drafter import DFlashDraftModel
-from mlx_dflash.injection import ContextInjector
-from mlx_dflash.target import TargetModel
+from mlx_dflash.drafters.dflash import DFlashDraftModel
+from mlx_dflash.drafters.draft_cache import DraftContextCache
+from mlx_dflash.drafters.injection import ContextInjector
+from mlx_dflash.targets.model import TargetModel
 from mlx_dflash.train.anchors import make_batch, sample_anchors
 from mlx_dflash.train.data import Example
 from mlx_dflash.train.loss import block_labels, decayed_cross_entropy, position_weights

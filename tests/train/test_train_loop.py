@@ -7,16 +7,16 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.tiny import self_reply_chat
 from mlx.utils import tree_flatten
 from mlx_dflash.cli.main import _register, app
-from tiny import self_reply_chat
 from typer.testing import CliRunner
 
-from mlx_dflash.draft_cache import DraftContextCache
+from mlx_dflash.drafters.draft_cache import DraftContextCache
+from mlx_dflash.drafters.injection import ContextInjector
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.injection import ContextInjector
-from mlx_dflash.loading import load_drafter, load_target
-from mlx_dflash.target import TargetModel
+from mlx_dflash.loading.loaders import load_drafter, load_target
+from mlx_dflash.targets.model import TargetModel
 from mlx_dflash.train import TrainConfig, Trainer, export_drafter
 from mlx_dflash.train.data import load_conversations, render
 from mlx_dflash.train.evaluate import measure_tau

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tiny import greedy_reference, save_target, tiny_target
+from helpers.tiny import greedy_reference, save_target, tiny_target
 
-from mlx_dflash.loading import load_target
-from mlx_dflash.target import TargetModel
+from mlx_dflash.loading.loaders import load_target
+from mlx_dflash.targets.model import TargetModel
 from mlx_dflash.train.data import prompt_ids
 from mlx_dflash.train.regenerate import batched_greedy, can_batch, regenerate
 

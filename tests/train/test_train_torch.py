@@ -13,10 +13,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers.tiny import EOS_ID, greedy_reference, save_target, self_reply_chat, tiny_drafter, tiny_target
 from mlx.utils import tree_flatten
-from tiny import EOS_ID, greedy_reference, save_target, self_reply_chat, tiny_drafter, tiny_target
 
-from mlx_dflash.target import TargetModel
+from mlx_dflash.targets.model import TargetModel
 from mlx_dflash.train import recipe
 from mlx_dflash.train.data import Example
 
@@ -55,7 +55,7 @@ def _torch_drafter(mlx_drafter, config: dict) -> TorchDFlashDrafter:
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def pair(request, tmp_path_factory):
     """A tiny MLX target, the same weights as a Hugging Face model in PyTorch, and a random drafter."""
-    from tiny import drafter_config
+    from helpers.tiny import drafter_config
 
     model = tiny_target(request.param, seed=3)
     path = save_target(model, request.param, tmp_path_factory.mktemp(request.param) / "target")
@@ -181,7 +181,7 @@ def test_job_end_to_end_converts_and_drafts_losslessly(training_setup, tmp_path)
     from typer.testing import CliRunner
 
     from mlx_dflash.generate import stream_generate
-    from mlx_dflash.loading import load_drafter, load_target
+    from mlx_dflash.loading.loaders import load_drafter, load_target
 
     root, target_dir, data = training_setup
     job = tmp_path / "job"
@@ -243,7 +243,7 @@ def test_examples_mark_the_reply_and_its_stop_token():
 
 
 def test_every_turn_prompts_start_with_the_first_turn_prompt(training_setup):
-    from mlx_dflash.loading import load_target
+    from mlx_dflash.loading.loaders import load_target
     from mlx_dflash.train.data import prompt_ids, turn_prompts
 
     _, target_dir, _ = training_setup

@@ -16,20 +16,14 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import fields
-from .errors import APIError
-from .jobs import Finished, GenerationRequest, Step
-from .reply import ReasoningDelta, TextDelta, ToolCallItem
-from .sse import sse_event
-from .state import JobStream, ServerState, dflash_extension, usage_numbers
-from .structured import (
-    constraint_for,
-    format_kind,
-    output_parser,
-    tool_choice_constraint,
-    without_thinking,
-)
-from .tools import template_tool_call
+from ..http import fields
+from ..http.errors import APIError
+from ..http.sse import sse_event
+from ..http.state import JobStream, ServerState, dflash_extension, usage_numbers
+from ..reply.events import ReasoningDelta, TextDelta, ToolCallItem
+from ..reply.structured import constraint_for, format_kind, output_parser, tool_choice_constraint, without_thinking
+from ..reply.tools import template_tool_call
+from ..worker.jobs import Finished, GenerationRequest, Step
 
 # Blocks carrying images or files: a text model cannot read them.
 MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")

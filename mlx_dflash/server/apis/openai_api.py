@@ -8,20 +8,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import fields
-from .errors import APIError
-from .jobs import Finished, GenerationRequest, Step, TokenLogprob
-from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem
-from .sse import done_event, sse_event
-from .state import JobStream, ServerState, dflash_extension, usage_numbers
-from .structured import (
-    constraint_for,
-    format_kind,
-    output_parser,
-    tool_choice_constraint,
-    without_thinking,
-)
-from .tools import template_tool_call
+from ..http import fields
+from ..http.errors import APIError
+from ..http.sse import done_event, sse_event
+from ..http.state import JobStream, ServerState, dflash_extension, usage_numbers
+from ..reply.events import ReasoningDelta, TextDelta, ToolCallItem
+from ..reply.parser import ReplyParser
+from ..reply.structured import constraint_for, format_kind, output_parser, tool_choice_constraint, without_thinking
+from ..reply.tools import template_tool_call
+from ..worker.jobs import Finished, GenerationRequest, Step, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Arguments of apply_chat_template itself, not template variables.
@@ -117,8 +112,9 @@ def forced_tool(body: dict) -> tuple[bool, str | None]:
     return True, name
 
 
-def _sampling(state: ServerState, body: dict, prompt: list[int], max_tokens: int | None,
-              param: str = "messages") -> GenerationRequest:
+def sampling_request(state: ServerState, body: dict, prompt: list[int], max_tokens: int | None,
+                     param: str = "messages") -> GenerationRequest:
+    """The generation request for `prompt` with the body's sampling fields (shared with Responses)."""
     if fields.integer(body, "n", 1) != 1:
         raise fields.bad("n", "'n' must be 1: this server returns one choice per request")
     return GenerationRequest(
@@ -168,7 +164,7 @@ def chat_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Opt
         options = without_thinking(options)
     prompt = state.render(messages, tools, options)
     max_tokens = fields.integer(body, "max_completion_tokens", fields.integer(body, "max_tokens", None, low=1), low=1)
-    request = _sampling(state, body, prompt, max_tokens)
+    request = sampling_request(state, body, prompt, max_tokens)
     logprobs = fields.boolean(body, "logprobs")
     top = fields.integer(body, "top_logprobs", None, 0, 20)
     if top is not None and not logprobs:
@@ -199,7 +195,7 @@ def completion_request(state: ServerState, body: dict) -> tuple[GenerationReques
             raise fields.bad(name, f"'{name}' is not supported by this server")
     if fields.integer(body, "best_of", 1) != 1:
         raise fields.bad("best_of", "'best_of' must be 1")
-    request = _sampling(state, body, ids, fields.integer(body, "max_tokens", None, low=1), "prompt")
+    request = sampling_request(state, body, ids, fields.integer(body, "max_tokens", None, low=1), "prompt")
     request.top_logprobs = fields.integer(body, "logprobs", None, 0, 20)
     stream = fields.boolean(body, "stream")
     return request, Options("completion", stream, _stream_options(body, stream), request.top_logprobs is not None)

@@ -4,11 +4,11 @@ The server is stateless: every request carries the whole conversation (`input` i
 sends it with `store: false`. Input items become chat messages, which the chat template renders
 as chat completions would (earlier reasoning items become the next assistant turn's
 `reasoning_content`); the reply's text is split into reasoning, message and function-call output
-items by the per-request `ReplyParser` (reply.py). Fields a local model cannot honour (`include`,
+items by the per-request `ReplyParser` (reply/parser.py). Fields a local model cannot honour (`include`,
 `prompt_cache_key`, `metadata`, ...) are accepted and ignored; what would silently change the
 answer (`store: true`, `previous_response_id`) is refused with a 400 that says why. A forced tool call
 (`tool_choice` 'required', a named tool, allowed_tools in mode 'required') is decoded under a grammar of
-the model's call markup (structured.py), or refused with a 400 where the model's call format has none.
+the model's call markup (reply/structured.py), or refused with a 400 where the model's call format has none.
 
 Tools: function tools are served; namespace tools are flattened into their function tools (calls
 carry the namespace back); hosted tools the model cannot run here (web_search, local_shell, mcp, ...)
@@ -24,17 +24,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from . import fields
-from .errors import APIError
-from .jobs import GenerationRequest
-from .openai_api import RESERVED_TEMPLATE_ARGS, _sampling, template_messages
+from ..http import fields
+from ..http.errors import APIError
+from ..http.state import ServerState
+from ..reply.structured import constraint_for, format_kind, tool_choice_constraint
+from ..worker.jobs import GenerationRequest
+from .openai_api import RESERVED_TEMPLATE_ARGS, sampling_request, template_messages
 from .responses_output import CUSTOM_INPUT, Options
 from .responses_output import OutputBuilder as OutputBuilder  # re-exported: app.py and the tests reach them here
 from .responses_output import new_id as new_id
 from .responses_output import reply as reply
 from .responses_output import stream as stream
-from .state import ServerState
-from .structured import constraint_for, format_kind, tool_choice_constraint
 
 INPUT_ROLES = ("system", "developer", "user", "assistant")
 # Reasoning efforts that mean "do not think" for a template with a thinking switch.
@@ -292,7 +292,7 @@ def responses_request(state: ServerState, body: dict) -> tuple[GenerationRequest
     options, reasoning = _template_options(state, body, constraint is not None)
     prompt = state.render(chat, tools, options)
     max_output = fields.integer(body, "max_output_tokens", None, low=1)
-    request = _sampling(state, body, prompt, max_output, "input")
+    request = sampling_request(state, body, prompt, max_output, "input")
     request.constraint = constraint
     echo = {
         "instructions": body.get("instructions"), "max_output_tokens": max_output,

@@ -1,6 +1,6 @@
 """OpenAI Responses (`POST /v1/responses`), the output side: output items and the streaming event sequence.
 
-`OutputBuilder` turns the per-request `ReplyParser`'s events (reply.py) into reasoning, message,
+`OutputBuilder` turns the per-request `ReplyParser`'s events (reply/parser.py) into reasoning, message,
 function-call and custom-tool-call output items, and into the `response.*` stream events that
 announce them; `reply` builds the whole response object for a non-streamed request, `stream` the
 server-sent events. `Options` (what shapes the output beyond what the engine generates) is defined
@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import APIError
-from .jobs import Finished, GenerationRequest, Step
-from .reply import ReasoningDelta, ReplyParser, TextDelta, ToolCallItem
-from .sse import sse_event
-from .state import JobStream, ServerState, dflash_extension, usage_numbers
-from .structured import PlainReply, output_parser
+from ..http.errors import APIError
+from ..http.sse import sse_event
+from ..http.state import JobStream, ServerState, dflash_extension, usage_numbers
+from ..reply.events import ReasoningDelta, TextDelta, ToolCallItem
+from ..reply.parser import ReplyParser
+from ..reply.structured import PlainReply, output_parser
+from ..worker.jobs import Finished, GenerationRequest, Step
 
 # Custom (freeform) tools reach the model as a function with one string argument of this name.
 CUSTOM_INPUT = "input"

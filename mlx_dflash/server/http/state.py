@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .engine import Engine, QueueFull
+from ..worker.engine import Engine, QueueFull
+from ..worker.jobs import Finished, GenerationRequest, Job, Step
 from .errors import APIError
 from .guard import DEFAULT_MAX_BODY_BYTES
-from .jobs import Finished, GenerationRequest, Job, Step
 from .sse import KEEPALIVE_SECONDS
 
 logger = logging.getLogger("mlx_dflash")

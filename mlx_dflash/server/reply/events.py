@@ -1,9 +1,7 @@
 """The events a reply parser yields: answer text, reasoning text and complete tool calls.
 
 Every chat API renders these three kinds in its own shape, and the family readers
-(reply_readers.py) produce them, so they live apart from both: the readers and `ReplyParser`
-(reply.py) share them without importing each other. reply.py re-exports them, so
-`from .reply import TextDelta, ...` keeps working.
+(readers.py) produce them for `ReplyParser` (parser.py), so they live apart from all of them.
 """
 
 from __future__ import annotations

@@ -5,9 +5,9 @@ through one `ReplyParser` per request and renders its events in its own shape. T
 is read off the tokenizer: mlx-lm's TokenizerWrapper infers the thinking markers and a tool
 parser (`mlx_lm.tool_parsers`: Hermes/Qwen JSON, Qwen3-Coder XML, Mistral, pythonic, ...),
 which is reused as is; Llama 3.x JSON calls and gpt-oss (harmony) channels, which mlx-lm
-does not parse, are read by this project's own readers (reply_readers.py). This module holds
-the format detection (`ReplyFormat`), the parser that drives a reader, and re-exports the events
-(reply_events.py). Markup that does not parse as a call stays visible text, and never takes
+does not parse, are read by this project's own readers (readers.py). This module holds
+the format detection (`ReplyFormat`) and the parser that drives a reader; the events it yields
+are in events.py. Markup that does not parse as a call stays visible text, and never takes
 other calls with it.
 """
 
@@ -21,9 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-# The events are re-exported: the chat APIs import them from here.
-from .reply_events import Event, ReasoningDelta, TextDelta, ToolCallItem, new_call_id
-from .reply_readers import H_CHANNEL, H_MESSAGE, PYTHON_TAG, _HarmonyReader, _LlamaReader, _MarkedReader
+from .events import Event, ReasoningDelta, TextDelta, ToolCallItem, new_call_id
+from .readers import H_CHANNEL, H_MESSAGE, PYTHON_TAG, HarmonyReader, LlamaReader, MarkedReader
 
 # Thinking spans in chat templates, for tokenizers whose vocabulary does not hold them as tokens.
 THINK_PAIRS = (("<think>", "</think>"), ("<longcat_think>", "</longcat_think>"), ("<|think:start|>", "<|think:end|>"))
@@ -153,7 +152,7 @@ class ReplyParser:
         self.tools = tools or None
         self.prefix = call_id_prefix
         self.calls: list[ToolCallItem] = []
-        reader = {"harmony": _HarmonyReader, "llama3_json": _LlamaReader}.get(fmt.style, _MarkedReader)
+        reader = {"harmony": HarmonyReader, "llama3_json": LlamaReader}.get(fmt.style, MarkedReader)
         self._reader = reader(self, reasoning)
         self._finished = False
 
@@ -169,7 +168,7 @@ class ReplyParser:
         self._finished = True
         return _merge(self._reader.finish())
 
-    def _calls(self, parsed: Any) -> list[ToolCallItem] | None:
+    def calls_from(self, parsed: Any) -> list[ToolCallItem] | None:
         """Calls from one parser result (a call or a list of them); None if any is not a call."""
         items = parsed if isinstance(parsed, list) else [parsed]
         fields = [_call_fields(item) for item in items]

@@ -1,26 +1,23 @@
 """The family readers behind `ReplyParser`: each turns one model family's streamed markup into events.
 
-`_MarkedReader` reads calls between a start and an end marker (mlx-lm's tool parsers: Hermes/Qwen
-JSON, Qwen3-Coder XML, Mistral, ...) and thinking between its own markers; `_LlamaReader` reads
-Llama 3.x bare-JSON calls (optionally after `<|python_tag|>`); `_HarmonyReader` reads gpt-oss
+`MarkedReader` reads calls between a start and an end marker (mlx-lm's tool parsers: Hermes/Qwen
+JSON, Qwen3-Coder XML, Mistral, ...) and thinking between its own markers; `LlamaReader` reads
+Llama 3.x bare-JSON calls (optionally after `<|python_tag|>`); `HarmonyReader` reads gpt-oss
 (harmony) channels. They hold back text that may still begin a marker (`_scan`) and find where a
-streamed JSON object ends (`_JsonExtent`). They are kept apart from reply.py, which picks the format
-and the reader, because the incremental scanning is a job of its own; they reach the parser only
-through the instance they are given (`ReplyParser._calls`), so reply.py is imported here for type
-checking only and the two modules do not import each other at run time.
+streamed JSON object ends (`_JsonExtent`). They are kept apart from parser.py, which picks the format
+and the reader, because the incremental scanning is a job of its own; they see the parser they
+serve only as a `ReplySink` (its format, its tools and `calls_from`), so this module imports
+nothing of parser.py.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from .reply_events import Event, ReasoningDelta, TextDelta
-from .text import partial_suffix
-
-if TYPE_CHECKING:
-    from .reply import ReplyParser
+from ..worker.text import partial_suffix
+from .events import Event, ReasoningDelta, TextDelta, ToolCallItem
 
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.x: a call follows
 # gpt-oss (harmony): a message is `<|start|>ROLE<|channel|>CHANNEL [to=RECIPIENT] ...<|message|>BODY<|end|>`.
@@ -28,6 +25,17 @@ H_START, H_CHANNEL, H_MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
 H_ENDS = ("<|end|>", "<|call|>", "<|return|>")
 _H_CHANNEL_NAME = re.compile(r"<\|channel\|>\s*([\w.-]+)")
 _H_RECIPIENT = re.compile(r"to=([^\s<]+)")
+
+
+class ReplySink(Protocol):
+    """What a reader reads of the parser it serves (`parser.ReplyParser`)."""
+
+    fmt: Any  # the model's `parser.ReplyFormat`
+    tools: list[dict] | None  # the request's tools (None: call markup stays text)
+
+    def calls_from(self, parsed: Any) -> list[ToolCallItem] | None:
+        """The calls in one tool-parser result (a call or a list of them), recorded; None if any is no call."""
+        ...
 
 
 def _scan(buffer: str, markers: list[str], hold_space: bool = True) -> tuple[str, str | None, str]:
@@ -76,10 +84,10 @@ class _JsonExtent:
         return None
 
 
-class _MarkedReader:
+class MarkedReader:
     """Calls between a start and an end marker (Hermes/Qwen JSON, Qwen3-Coder XML, ...); thinking between its own."""
 
-    def __init__(self, parser: ReplyParser, reasoning: bool):
+    def __init__(self, parser: ReplySink, reasoning: bool):
         self.parser = parser
         self.fmt = parser.fmt
         self.mode = "reasoning" if reasoning and self.fmt.think_end else "text"
@@ -144,7 +152,7 @@ class _MarkedReader:
             parsed = fmt.tool_parser(self.body, self.parser.tools)
         except Exception:  # each mlx-lm parser raises its own errors on markup that is no call
             parsed = None
-        calls = self.parser._calls(parsed) if parsed is not None else None
+        calls = self.parser.calls_from(parsed) if parsed is not None else None
         self.mode = "text"
         if calls is None:
             out.append(TextDelta(self.gap + fmt.tool_start + self.body + (fmt.tool_end if ended else "")))
@@ -165,11 +173,11 @@ class _MarkedReader:
         return out
 
 
-class _LlamaReader(_MarkedReader):
+class LlamaReader(MarkedReader):
     """Llama 3.x: a reply that opens with a JSON object (or has `<|python_tag|>` before one) is a call,
     `{"name": ..., "parameters": {...}}`; several are separated by `;` or whitespace."""
 
-    def __init__(self, parser: ReplyParser, reasoning: bool):
+    def __init__(self, parser: ReplySink, reasoning: bool):
         super().__init__(parser, reasoning)
         self.tagged = False  # the object being read followed <|python_tag|>
         self.drop_gap = False  # the whitespace and `;` before the next text are markup (after a call or thinking)
@@ -239,7 +247,7 @@ class _LlamaReader(_MarkedReader):
             parsed = json.loads(raw)
         except json.JSONDecodeError:
             parsed = None
-        calls = self.parser._calls(parsed) if parsed is not None else None
+        calls = self.parser.calls_from(parsed) if parsed is not None else None
         if calls is None:
             out.append(TextDelta((self.gap + PYTHON_TAG if self.tagged else "") + raw))
         else:
@@ -259,11 +267,11 @@ class _LlamaReader(_MarkedReader):
         return out
 
 
-class _HarmonyReader:
+class HarmonyReader:
     """gpt-oss: messages on channels. `analysis` is reasoning, `final` and plain `commentary` are answer
     text, and a message addressed `to=functions.NAME` is a call whose body is the JSON arguments."""
 
-    def __init__(self, parser: ReplyParser, reasoning: bool):
+    def __init__(self, parser: ReplySink, reasoning: bool):
         self.parser = parser
         self.pending = ""
         self.mode = "message" if reasoning else "header"
@@ -318,7 +326,7 @@ class _HarmonyReader:
                 arguments = json.loads(self.body) if self.body.strip() else {}
             except json.JSONDecodeError:
                 arguments = None
-            calls = self.parser._calls({"name": name, "arguments": arguments}) if arguments is not None else None
+            calls = self.parser.calls_from({"name": name, "arguments": arguments}) if arguments is not None else None
             if calls is None:
                 out.append(TextDelta(self.body))
             else:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..constraint import (
+from ...decoding.constraint import (
     JSON_WHITESPACE,
     GrammarError,
     StructuredOutputUnavailable,
@@ -32,10 +32,12 @@ from ..constraint import (
     json_schema_grammar,
     lark_grammar,
 )
-from . import fields
-from .errors import APIError
-from .reply import PYTHON_TAG, ReplyFormat, ReplyParser, TextDelta, ToolCallItem, reply_parser
-from .state import ServerState
+from ..http import fields
+from ..http.errors import APIError
+from ..http.state import ServerState
+from .events import TextDelta, ToolCallItem
+from .parser import ReplyFormat, ReplyParser, reply_parser
+from .readers import PYTHON_TAG
 
 KINDS = ("text", "json_object", "json_schema")
 # The tool-call formats a forced call has a grammar for (ReplyFormat.tool_format), and the key of
@@ -100,7 +102,7 @@ def without_thinking(options: dict) -> dict:
 
 
 class PlainReply:
-    """A reply parser (the `reply.ReplyParser` interface) for constrained output: all of it is text."""
+    """A reply parser (the `parser.ReplyParser` interface) for constrained output: all of it is text."""
 
     def __init__(self) -> None:
         self.calls: list[ToolCallItem] = []

@@ -1,7 +1,7 @@
 """Earlier tool calls, as chat templates expect them in a conversation.
 
 Requests carry tools and earlier calls in each API's shape; the chat template renders them.
-A reply's own calls are read back by `reply.ReplyParser`, in the model's format.
+A reply's own calls are read back by `parser.ReplyParser`, in the model's format.
 """
 
 from __future__ import annotations

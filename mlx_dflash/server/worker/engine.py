@@ -15,13 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..batch import kv_bytes_per_token
-from ..generate import GenerationStats, check_block_size, make_proposer
-from ..lookup import PromptLookup
-from ..policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
-from ..runtime import default_batch_bytes, default_prompt_cache_bytes, settle, wired_limit
-from ..session import DecodingSession
-from ..target import TargetModel
+from ...auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
+from ...batching.batch import kv_bytes_per_token
+from ...decoding.session import DecodingSession
+from ...decoding.stats import GenerationStats
+from ...platform.runtime import default_batch_bytes, default_prompt_cache_bytes, settle, wired_limit
+from ...proposers.factory import check_block_size, make_lookup, make_proposer
+from ...targets.model import TargetModel
 from .jobs import Finished, GenerationRequest, Job, Step
 from .prompt_cache import PromptCache
 from .scheduler import Scheduler, describe_batch
@@ -31,8 +31,8 @@ from .scheduler import Scheduler, describe_batch
 class EngineConfig:
     block_size: int | str = DEFAULT_BLOCK_SIZE  # "auto": chosen each cycle; an int: fixed
     prompt_cache_bytes: int | None = None  # None: sized from the device's memory (`runtime.default_prompt_cache_bytes`)
-    calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (mlx_dflash.calibration)
-    prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.lookup`)
+    calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (`mlx_dflash.auto.calibration`)
+    prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.proposers.lookup`)
     max_queue: int = 32  # requests waiting behind the running ones before new ones are refused (0: no bound)
     max_batch: int = 8  # requests decoded together (1: one at a time)
     batch_bytes: int | None = None  # memory for the batched caches (None: `runtime.default_batch_bytes`)
@@ -78,7 +78,7 @@ class Engine:
 
     def _new_session(self) -> DecodingSession:
         return DecodingSession(self.target, make_proposer(self.target, self.drafter, self.max_block_size),
-                               lookup=PromptLookup() if self.config.prompt_lookup else None)
+                               lookup=make_lookup(self.config.prompt_lookup))
 
     # -- lifecycle -----------------------------------------------------------------------
     def start(self) -> None:

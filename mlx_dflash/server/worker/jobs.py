@@ -9,7 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..generate import GenerationStats
+from ...decoding.stats import GenerationStats
 
 
 @dataclass

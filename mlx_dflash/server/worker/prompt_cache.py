@@ -24,12 +24,11 @@ from typing import Any
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
-from ..chat import common_prefix
-from ..generate import GenerationEvent
-from ..runtime import generation_stream
-from ..session import DecodingSession, PrefillCancelled
-from ..speculative import DFlashProposer
-from ..target import copy_cache
+from ...decoding.loop import GenerationEvent
+from ...decoding.session import DecodingSession, PrefillCancelled, common_prefix
+from ...platform.runtime import generation_stream
+from ...proposers.dflash import DFlashProposer
+from ...targets.model import copy_cache
 
 
 def session_arrays(session: DecodingSession) -> list[mx.array]:

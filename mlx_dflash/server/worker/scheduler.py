@@ -1,7 +1,7 @@
 """The decode worker's loop: up to `max_batch` requests advance together, one cycle at a time.
 
 Each request is a `Run`: its session (from the prompt cache) and its `stream_session`
-stream, pulled one event per cycle. Requests that can be batched (`batch.refusal`: plain
+stream, pulled one event per cycle. Requests that can be batched (`batching.batch.refusal`: plain
 K/V caches, a v1 drafter; no grammar, no seeded sampling) join a `SessionBatch` once
 prefilled, at a cycle boundary, whenever another one is running: each loop the batch runs
 one cycle for all of them and every stream then emits its part. The others advance in turn,
@@ -21,29 +21,47 @@ from __future__ import annotations
 import logging
 import queue
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 
-from ..batch import SessionBatch, refusal
-from ..generate import GenerationEvent, GenerationStats, stream_session
-from ..policy import FixedBlockSize, make_policy, reproducible
-from ..sampling import make_sampler
+from ...auto.policy import make_policy, reproducible
+from ...batching.batch import SessionBatch, refusal
+from ...decoding.block_size import BlockSizePolicy, FixedBlockSize
+from ...decoding.loop import GenerationEvent, stream_session
+from ...decoding.sampling import make_sampler
+from ...decoding.stats import GenerationStats
+from ...decoding.stream_guard import end_stream
+from ...targets.model import TargetModel
 from .jobs import Finished, Job, Step, token_logprobs
-from .prompt_cache import recover
+from .prompt_cache import PromptCache, recover
 from .text import TextFilter
-
-if TYPE_CHECKING:
-    from .engine import Engine
 
 logger = logging.getLogger("mlx_dflash")
 SHARED_PREFILL_CHUNK = 512  # prompt positions per prefill forward while other requests may be running
 
 
+class EngineView(Protocol):
+    """What the scheduler reads of the engine that runs it (`engine.Engine`): the models, the
+    shared policy and prompt cache, and the limits. The engine owns the thread and the queue."""
+
+    target: TargetModel
+    tokenizer: Any
+    drafter: Any
+    config: Any  # its `EngineConfig`: `max_batch`
+    policy: BlockSizePolicy
+    block_size: int | str
+    max_block_size: int
+    stop_ids: set[int]
+    prompt_cache: PromptCache
+    token_bytes: int  # batched cache bytes per token of one row
+    batch_bytes: int  # what the batched caches may take
+
+
 class Run:
     """One request being decoded: its session, its event stream and its text so far."""
 
-    def __init__(self, engine: Engine, job: Job):
+    def __init__(self, engine: EngineView, job: Job):
         req = job.request
         self.engine, self.job = engine, job
         self.sampled = req.temperature > 0
@@ -117,7 +135,10 @@ class Run:
         session = self.session
         if session.batch is not None:
             session.batch.remove(session)
-        self.stream.close()
+        end_stream(self.stream, self._store, consistent)
+
+    def _store(self, consistent: bool) -> None:
+        session = self.session
         session.cancel_check = session.between_chunks = None
         # A failed request keeps its conversation: a session the error left mid-cycle is cut back.
         if consistent or recover(session):
@@ -127,7 +148,7 @@ class Run:
 class Scheduler:
     """The worker's loop over the engine's queue (runs on the decode thread only)."""
 
-    def __init__(self, engine: Engine, jobs: queue.Queue[Job | None]):
+    def __init__(self, engine: EngineView, jobs: queue.Queue[Job | None]):
         self.engine = engine
         self.jobs = jobs  # the engine's queue; None asks the loop to end
         self.runs: list[Run] = []

@@ -1,0 +1,10 @@
+"""Who proposes the tokens the target verifies, one proposer per file behind one interface.
+
+- `base.py`: the `Proposer` interface, the `Proposal` a sampling proposer states, source names.
+- `dflash.py`, `dflash2.py`: block drafting with a DFlash or DFlash2 drafter.
+- `lookup.py`: prompt lookup, proposals read off the context with no drafter.
+- `rank_follower.py`: what ranks other than 0 run in place of the drafter.
+- `factory.py`: the one place proposers are built, and the block size each can draft.
+
+Imports `drafters`, `targets` and `errors`.
+"""
