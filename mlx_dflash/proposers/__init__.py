@@ -1,4 +1,8 @@
-"""Who proposes the tokens the target verifies, one proposer per file behind one interface.
+"""Who proposes the tokens the target verifies, one proposer per file.
+
+The drafting proposers (DFlash, DFlash2, the rank follower) keep `base.Proposer`; prompt lookup
+reads the committed tokens instead (`PromptLookup.propose(tokens, n)`), a second source the session
+consults every cycle.
 
 - `base.py`: the `Proposer` interface, the `Proposal` a sampling proposer states, source names.
 - `dflash.py`, `dflash2.py`: block drafting with a DFlash or DFlash2 drafter.
