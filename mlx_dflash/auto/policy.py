@@ -39,6 +39,10 @@ come next, `promise_plain` lets the session launch the next plain step before th
 read (`mlx_dflash.decoding.session`); the promise binds the next choice. The per-cycle work is a few dozen
 float operations on Python numbers: no array work, no host sync.
 
+Several generations at once (the server's concurrent requests) each take a `fork`: their own
+cycle state and acceptance (what one text shows says nothing of another's), this machine's
+costs shared; what a finished one learnt of the drafter seeds the next (`absorb`).
+
 The contract every policy keeps (`BlockSizePolicy`) and the fixed size (`FixedBlockSize`)
 belong to the decode loop (`mlx_dflash.decoding.block_size`); `__all__` names them here
 too, with the rest of what a caller builds a policy from.
@@ -46,6 +50,7 @@ too, with the rest of what a caller builds a policy from.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +63,7 @@ from .estimators import AcceptanceModel, CostModel, Source, generic_cost, verify
 
 __all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DFLASH", "LOOKUP_BLOCK", "AcceptanceModel", "AutoBlockSize",
            "BlockSizePolicy", "CostModel", "FixedBlockSize", "Source", "candidate_sizes", "generic_cost",
-           "make_policy", "parse_block_size", "reproducible", "verify_cost"]
+           "absorb", "fork", "make_policy", "parse_block_size", "reproducible", "verify_cost"]
 
 AUTO = "auto"
 DEFAULT_BLOCK_SIZE = AUTO  # the one default of chat, generate, bench, the API and the server
@@ -113,6 +118,18 @@ def reproducible(policy: BlockSizePolicy, max_block: int, seed: int | None, temp
     return FixedBlockSize(max_block if DFLASH in getattr(policy, "sources", {DFLASH: None}) else 1)
 
 
+def fork(policy: BlockSizePolicy) -> BlockSizePolicy:
+    """`policy` for one of several generations running at once (`AutoBlockSize.fork`); a policy
+    without state is shared as it is."""
+    return policy.fork() if isinstance(policy, AutoBlockSize) else policy
+
+
+def absorb(policy: BlockSizePolicy, forked: BlockSizePolicy) -> None:
+    """Let `policy` keep what its fork `forked` learnt of acceptance, for the generations after."""
+    if isinstance(policy, AutoBlockSize) and isinstance(forked, AutoBlockSize) and forked is not policy:
+        policy.absorb(forked)
+
+
 @dataclass
 class AutoBlockSize:
     """`--block-size auto`: the expected-tokens-per-second maximiser (see the module docstring)."""
@@ -154,6 +171,21 @@ class AutoBlockSize:
     @property
     def costs(self) -> CostModel:
         return self.sources[self.source].costs
+
+    def fork(self) -> AutoBlockSize:
+        """A policy for one generation beside others: its own cycle state (a promised plain step,
+        probes, overhead) and its own acceptance, starting from this one's; the cost models are
+        this one's, shared (a cycle costs the same whichever request runs it)."""
+        sources = {name: Source(copy.deepcopy(s.acceptance), s.costs) for name, s in self.sources.items()}
+        return AutoBlockSize(self.max_block, drafter=self.drafter, lookup=self.lookup, probe_share=self.probe_share,
+                             min_gap=self.min_gap, carry_over=self.carry_over, sources=sources)
+
+    def absorb(self, forked: AutoBlockSize) -> None:
+        """Take the acceptance `forked` ended with, in place (a calibration's acceptance memory
+        shares these objects and saves them)."""
+        for name, source in self.sources.items():
+            if name in forked.sources:
+                vars(source.acceptance).update(copy.deepcopy(vars(forked.sources[name].acceptance)))
 
     def begin(self) -> None:
         """A new generation: its text may suit the drafter better or worse than the last one's."""

@@ -70,9 +70,36 @@ def refusal(session: DecodingSession) -> str | None:
     return None
 
 
-def kv_bytes_per_token(target: TargetModel, drafter: Any = None) -> int:
-    """Bytes of K/V one position takes in the target's cache and the drafter's (for admission)."""
-    total = 0
+@dataclass(frozen=True)
+class BatchFootprint:
+    """What a batch's caches take, for admission to keep to a memory budget.
+
+    Per position of one row: `token_bytes` in every layer of the target and the drafter,
+    `layer_bytes` in the largest single layer (a join, a leave or a growth copies one layer
+    at a time while the others stay: that copy is in flight beside the whole batch). Every
+    row is as long as the longest, rounded up to the caches' growth step.
+    """
+
+    token_bytes: int
+    layer_bytes: int
+    max_block_size: int = 1
+
+    def slots(self, end: int) -> int:
+        """Buffer length per row when the longest row reaches position `end`: a verify writes a
+        block past the context, and the drafter keeps room for a block past that."""
+        return RaggedKVCache.capacity_for(end + 2 * self.max_block_size)
+
+    def peak(self, rows: int, end: int) -> int:
+        """The most bytes the caches of `rows` rows take while none passes position `end`: the
+        rows, and while a layer is copied, that layer's new buffers and the joining row's two
+        copies of it (as read off its cache, then padded to the batch's length)."""
+        return self.slots(end) * (rows * (self.token_bytes + self.layer_bytes) + 2 * self.layer_bytes)
+
+
+def batch_footprint(target: TargetModel, drafter: Any = None, max_block_size: int = 1) -> BatchFootprint:
+    """The footprint of batching `target` (and `drafter`'s context cache); all zero for a config
+    this estimate does not read (then only `max_batch` bounds the batch)."""
+    total = largest = 0
     for args, dtype in ((target.args, target.dtype), (getattr(drafter, "args", None), None)):
         if args is None:
             continue
@@ -80,10 +107,11 @@ def kv_bytes_per_token(target: TargetModel, drafter: Any = None) -> int:
             heads = getattr(args, "num_key_value_heads", None) or args.num_attention_heads
             head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
             layers = args.num_hidden_layers
-        except AttributeError:  # a config this estimate does not read: no bound but max_batch
-            return 0
-        total += 2 * layers * heads * head_dim * (dtype or drafter.norm.weight.dtype).size
-    return total
+        except AttributeError:
+            return BatchFootprint(0, 0, max_block_size)
+        layer = 2 * heads * head_dim * (dtype or drafter.norm.weight.dtype).size
+        total, largest = total + layers * layer, max(largest, layer)
+    return BatchFootprint(total, largest, max_block_size)
 
 
 @dataclass
@@ -134,11 +162,16 @@ class SessionBatch:
                 session.inject_pending()
                 if session.proposer.cache.offset != session.position:
                     raise DFlashError("the draft cache does not end at the pending token")
-            rows = [RaggedKVCache.from_caches([c]) for c in session.cache]
-            if self.rows:
-                for mine, theirs in zip(self.cache, rows, strict=True):
-                    mine.extend(theirs)
-            else:
+            # Layer by layer, each evaluated (`extend` does): one layer's copy in flight at a time.
+            rows = []
+            for layer, c in enumerate(session.cache):
+                row = RaggedKVCache.from_caches([c])
+                if self.rows:
+                    self.cache[layer].extend(row)
+                else:
+                    mx.eval([a for a in (row.keys, row.values) if a is not None])
+                    rows.append(row)
+            if not self.rows:
                 self.cache = rows
                 self.proposer = session.proposer
             if session.proposer is not None:
@@ -158,6 +191,8 @@ class SessionBatch:
             session.cache = unbatch_row(self.cache, i)
             if self.draft is not None:
                 session.proposer.cache = self.draft.row(i)
+            # The row's copy first: a lazy copy would keep every old buffer alive through the shrink.
+            mx.eval([c.state for c in session.cache], session.proposer.state_arrays() if self.draft else [])
             for c in self.cache:
                 c.filter(keep)
             if self.draft is not None:
@@ -192,6 +227,7 @@ class SessionBatch:
         positions = [s.position for s in sessions]
         width = self._width(budgets, positions)
         with mx.stream(generation_stream):
+            self._reserve(max(positions) + width)
             offsets = mx.array(positions, dtype=mx.int32)
             inputs = mx.array([s.tokens[-1] for s in sessions], dtype=mx.uint32)[:, None]
             if width > 1:
@@ -225,6 +261,14 @@ class SessionBatch:
             self._done[id(s)] = BatchedCycle(width, verified, k, budgets[i])
         self.widths[width] = self.widths.get(width, 0) + 1
         self._record(width, accepted, time.perf_counter() - started)
+
+    def _reserve(self, end: int) -> None:
+        """Room for this cycle's writes, grown before the forward one layer at a time (the forward
+        would copy every layer at once): growth happens once every few hundred positions."""
+        for c in self.cache:
+            c.reserve(end)
+        if self.draft is not None:
+            self.draft.reserve(end + self.draft.max_block_size)
 
     def _draft(self, pending: mx.array, offsets: mx.array, width: int) -> mx.array:
         """Every row's draft (B, width - 1) from one drafter forward."""

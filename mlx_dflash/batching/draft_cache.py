@@ -8,11 +8,14 @@ block's transient K/V go after the longest row's context, at the same slots for 
 `span_mask` hides each shorter row's unused slots, so every row attends to exactly its own
 context and its block, as it would alone. Window modes are not batched (`from_caches`
 refuses them).
+
+As for the target's ragged cache, joins, leaves and growth copy one layer at a time, and a
+leave shrinks the buffers to what the remaining rows need.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -43,14 +46,37 @@ class RaggedDraftCache:
         """Each row's context length (B,): the position of its pending token."""
         return mx.array(self.lengths, dtype=mx.int32)
 
+    @classmethod
+    def capacity_for(cls, context: int, max_block_size: int) -> int:
+        """Slots for `context` positions and a drafting block after them, in whole steps."""
+        return max(-(-(context + max_block_size) // cls.step), 1) * cls.step
+
+    def reserve(self, end: int) -> None:
+        """Grow every layer's buffers to `end` slots, one layer at a time (each evaluated), so a
+        growth holds one layer's copy in flight; call it before the cycle that needs the room."""
+        grow = self._growth(end)
+        if grow:
+            self._each_layer(lambda buffer: self._longer(buffer, grow))
+
     def _reserve(self, end: int) -> None:
-        if end <= self.capacity:
-            return
-        grow = -(-(end - self.capacity) // self.step) * self.step
-        for store in (self.keys, self.values):
-            for i, buffer in enumerate(store):
-                B, H, _, D = buffer.shape
-                store[i] = mx.concatenate([buffer, mx.zeros((B, H, grow, D), self.dtype)], axis=2)
+        """Room inside a cycle (lazily, every layer at once): `reserve` beforehand makes this a no-op."""
+        grow = self._growth(end)
+        for store in (self.keys, self.values) if grow else ():
+            store[:] = [self._longer(buffer, grow) for buffer in store]
+
+    def _growth(self, end: int) -> int:
+        """Slots to add (whole steps) so that `end` fit; 0 when they do."""
+        return max(-(-(end - self.capacity) // self.step) * self.step, 0)
+
+    def _longer(self, buffer: mx.array, grow: int) -> mx.array:
+        B, H, _, D = buffer.shape
+        return mx.concatenate([buffer, mx.zeros((B, H, grow, D), self.dtype)], axis=2)
+
+    def _each_layer(self, change: Callable[[mx.array], mx.array]) -> None:
+        """Replace every buffer by `change(buffer)`, evaluating each layer before the next."""
+        for i in range(self.num_layers):
+            self.keys[i], self.values[i] = change(self.keys[i]), change(self.values[i])
+            mx.eval(self.keys[i], self.values[i])
 
     def write(self, keys: Sequence[mx.array], values: Sequence[mx.array], counts: Sequence[int]) -> None:
         """Write n positions per row at its end (one (B, kv_heads, n, head_dim) pair per layer), and
@@ -95,7 +121,7 @@ class RaggedDraftCache:
             if c.shape_prefix[0] != 1:
                 raise DFlashError(f"RaggedDraftCache.from_caches: row {i} holds a batch of {c.shape_prefix[0]}")
         lengths = [c.stored for c in caches]
-        capacity = -(-(max(lengths) + first.max_block_size) // cls.step) * cls.step
+        capacity = cls.capacity_for(max(lengths), first.max_block_size)
         shape = (first.shape_prefix[1], 0, first.head_dim)
 
         def stacked(store: str, layer: int) -> mx.array:
@@ -122,21 +148,26 @@ class RaggedDraftCache:
         return cache
 
     def filter(self, rows: Sequence[int]) -> None:
-        """Keep only `rows`, in that order."""
+        """Keep only `rows`, in that order, in buffers no longer than they need."""
         index = mx.array(list(rows), dtype=mx.int32)
-        self.keys = [k[index] for k in self.keys]
-        self.values = [v[index] for v in self.values]
         self.lengths = [self.lengths[i] for i in rows]
+        capacity = min(self.capacity_for(max(self.lengths, default=0), self.max_block_size), self.capacity)
+        # A gather of the slice: new buffers of the kept size, not views of the old ones.
+        self._each_layer(lambda b: mx.take(b[..., :capacity, :], index, axis=0))
 
     def extend(self, other: RaggedDraftCache) -> None:
         """Append `other`'s rows after this cache's."""
         capacity = max(self.capacity, other.capacity)
 
         def padded(buffer: mx.array) -> mx.array:
+            if buffer.shape[2] == capacity:  # a pad of nothing would still copy
+                return buffer
             return mx.pad(buffer, [(0, 0), (0, 0), (0, capacity - buffer.shape[2]), (0, 0)])
 
-        self.keys = [mx.concatenate([padded(a), padded(b)]) for a, b in zip(self.keys, other.keys, strict=True)]
-        self.values = [mx.concatenate([padded(a), padded(b)]) for a, b in zip(self.values, other.values, strict=True)]
+        for i, (k, v) in enumerate(zip(other.keys, other.values, strict=True)):  # one layer in flight at a time
+            self.keys[i] = mx.concatenate([padded(self.keys[i]), padded(k)])
+            self.values[i] = mx.concatenate([padded(self.values[i]), padded(v)])
+            mx.eval(self.keys[i], self.values[i])
         self.lengths = self.lengths + other.lengths
 
     def state_arrays(self) -> list[mx.array]:

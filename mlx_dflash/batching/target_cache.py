@@ -16,6 +16,11 @@ their mask from `create_attention_mask(h, cache)`, which calls `cache.make_mask`
 mask (B, 1, N, S) lets row i's query j see key p iff p < length_i + j + 1, so the zeros
 or stale keys past a row's end never count.
 
+Memory: a join, a leave or a growth copies one layer at a time (each is evaluated before the
+next), so what is in flight beside the batch is one layer's buffers; a leave shrinks the
+buffers to what the remaining rows hold, so a long row that left costs nothing after it
+(`batch.BatchFootprint` budgets exactly this).
+
 Not covered: quantized K/V (mlx-lm switches to quantized attention on a cache with
 `bits`; `from_caches` refuses `QuantizedKVCache` rows), sliding-window layers (rotating
 caches; `make_mask` refuses a window), recurrent state (`ArraysCache`), and RoPE variants
@@ -100,8 +105,22 @@ class RaggedKVCache:
         self._written = L
         return self.keys[..., :end, :], self.values[..., :end, :]
 
+    @classmethod
+    def capacity_for(cls, positions: int) -> int:
+        """The buffer length that holds `positions`: whole steps, at least one."""
+        return max(-(-positions // cls.step), 1) * cls.step
+
+    def reserve(self, end: int) -> None:
+        """Grow the buffers (evaluated) to hold `end` positions per row before a forward writes
+        there, so the forward does not copy every layer at once. A cache never written to waits
+        for its first write, which knows the shapes."""
+        if self.keys is not None and end > self.keys.shape[2]:
+            B, H, _, k_dim = self.keys.shape
+            self._grow(end, B, H, k_dim, self.values.shape[3], self.keys.dtype)
+            mx.eval(self.keys, self.values)
+
     def _grow(self, end: int, B: int, H: int, k_dim: int, v_dim: int, dtype: mx.Dtype) -> None:
-        capacity = -(-end // self.step) * self.step
+        capacity = self.capacity_for(end)
         have = 0 if self.keys is None else self.keys.shape[2]
         new_k = mx.zeros((B, H, capacity - have, k_dim), dtype)
         new_v = mx.zeros((B, H, capacity - have, v_dim), dtype)
@@ -161,7 +180,7 @@ class RaggedKVCache:
             return cls(lengths)
         _, H, _, k_dim = full[0].keys.shape
         v_dim, dtype = full[0].values.shape[3], full[0].keys.dtype
-        capacity = max(-(-max(lengths) // cls.step) * cls.step, cls.step)
+        capacity = cls.capacity_for(max(lengths))
 
         def padded(c: KVCache | None, n: int, dim: int, values: bool) -> mx.array:
             held = (c.values if values else c.keys)[..., :n, :] if n else mx.zeros((1, H, 0, dim), dtype)
@@ -182,13 +201,19 @@ class RaggedKVCache:
         return cache
 
     def filter(self, rows: Sequence[int]) -> None:
-        """Keep only `rows`, in that order (sequences that left the batch are dropped)."""
+        """Keep only `rows`, in that order (sequences that left the batch are dropped), in buffers
+        no longer than the kept rows need: the memory of a long row that left is given back."""
         if self._written:
             raise DFlashError("RaggedKVCache.filter: commit the last forward first")
+        lengths = [self._lengths[i] for i in rows]
         if self.keys is not None:
             index = mx.array(list(rows), dtype=mx.int32)
-            self.keys, self.values = self.keys[index], self.values[index]
-        self._commit([self._lengths[i] for i in rows])
+            capacity = min(self.capacity_for(max(lengths, default=0)), self.keys.shape[2])
+            # A gather of the slice: new buffers of the kept size, not views of the old ones.
+            self.keys = mx.take(self.keys[..., :capacity, :], index, axis=0)
+            self.values = mx.take(self.values[..., :capacity, :], index, axis=0)
+            mx.eval(self.keys, self.values)
+        self._commit(lengths)
 
     def extend(self, other: RaggedKVCache) -> None:
         """Append `other`'s rows after this cache's (sequences joining the batch)."""
@@ -203,11 +228,14 @@ class RaggedKVCache:
                 if c.keys is None:  # never written: all its rows are length 0
                     return (mx.zeros((c.batch_size, k_like.shape[1], capacity, k_like.shape[3]), k_like.dtype),
                             mx.zeros((c.batch_size, v_like.shape[1], capacity, v_like.shape[3]), v_like.dtype))
+                if c.keys.shape[2] == capacity:  # a pad of nothing would still copy
+                    return c.keys, c.values
                 pad = [(0, 0), (0, 0), (0, capacity - c.keys.shape[2]), (0, 0)]
                 return mx.pad(c.keys, pad), mx.pad(c.values, pad)
 
             (k1, v1), (k2, v2) = buffers(self), buffers(other)
             self.keys, self.values = mx.concatenate([k1, k2]), mx.concatenate([v1, v2])
+            mx.eval(self.keys, self.values)
         self._commit(self._lengths + other._lengths)
 
     # --- what mlx-lm's utilities read --------------------------------------------------------

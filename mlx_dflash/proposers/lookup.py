@@ -8,7 +8,9 @@ continued along it. The target verifies the proposal like any block: a proposed 
 kept only where it equals the target's own token (greedy or sampled), so output is exact.
 
 The index is incremental: each committed position is indexed once, when the token after
-it commits, and a rollback (`truncate`) unindexes only the positions it drops.
+it commits, and a rollback (`truncate`) unindexes only the positions it drops. Its memory
+(Python objects, a few hundred bytes per token) is kept as a running estimate, `nbytes`, which
+the server's prompt cache counts against its budget.
 """
 
 from __future__ import annotations
@@ -17,6 +19,10 @@ import copy
 from collections.abc import Sequence
 
 LOOKUP_BLOCK = 16  # prompt lookup's widest block (15 proposed tokens)
+# CPython's cost of the index, estimated: a new n-gram is a tuple, a list and a dict slot; each
+# indexed position adds a list slot per n-gram and one int object shared by them.
+GRAM_BYTES = 200
+ENTRY_BYTES = 20
 
 
 class PromptLookup:
@@ -28,6 +34,7 @@ class PromptLookup:
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
         self._ends: dict[tuple[int, ...], list[int]] = {}  # n-gram -> its end positions, ascending
         self._indexed = 0  # positions 0 .. _indexed - 1 are indexed (each has a follower)
+        self.nbytes = 0  # the index's memory, estimated
 
     def _grams(self, tokens: Sequence[int], end: int):
         for n in range(self.min_ngram, min(self.max_ngram, end + 1) + 1):
@@ -35,9 +42,12 @@ class PromptLookup:
 
     def sync(self, tokens: Sequence[int]) -> None:
         """Index every position of `tokens` that has a follower and is not indexed yet."""
+        grams = len(self._ends)
         for end in range(self._indexed, len(tokens) - 1):
             for gram in self._grams(tokens, end):
                 self._ends.setdefault(gram, []).append(end)
+                self.nbytes += ENTRY_BYTES
+        self.nbytes += GRAM_BYTES * (len(self._ends) - grams)
         self._indexed = max(self._indexed, len(tokens) - 1)
 
     def truncate(self, tokens: Sequence[int], length: int) -> None:
@@ -46,8 +56,10 @@ class PromptLookup:
             for gram in self._grams(tokens, end):
                 ends = self._ends[gram]
                 ends.pop()
+                self.nbytes -= ENTRY_BYTES
                 if not ends:
                     del self._ends[gram]
+                    self.nbytes -= GRAM_BYTES
         self._indexed = min(self._indexed, max(length - 1, 0))
 
     def propose(self, tokens: Sequence[int], limit: int) -> list[int]:

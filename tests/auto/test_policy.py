@@ -506,3 +506,33 @@ def test_a_calibration_that_overprices_wide_blocks_is_corrected_by_the_probes():
         rates.append(rate(outcomes[50:]) / best_rate(cost, 0.8))
         assert sum(L >= 12 for L in sizes[-100:]) >= 80, sizes[-100:]
     assert np.mean(rates) >= 0.95, rates
+
+
+def test_one_request_does_not_bind_or_decay_another():
+    shared = AutoBlockSize(8, base_costs={1: (0.01, 0.0), 8: (0.05, 0.0)})
+    a, b = shared.fork(), shared.fork()
+    for policy, accepted in ((a, 0), (b, 7)):  # A's text defeats the drafter, B's suits it
+        policy.begin()
+        for _ in range(30):
+            policy.choose(8, 100)
+            policy.record(8, accepted, 0.05)
+    assert a.choose(8, 100) == 1 and a.promise_plain()
+    assert b.choose(8, 100) > 1  # A's promised plain step binds A's next cycle only
+    evidence = b.acceptance.evidence
+    a.begin()  # a new generation of A's decays A's evidence only
+    assert b.acceptance.evidence == evidence and a.acceptance.evidence < evidence
+
+
+def test_a_fork_hands_what_it_learnt_back_in_place():
+    memory = AcceptanceModel(7)  # a calibration's acceptance memory: saved from this very object
+    shared = AutoBlockSize(8, acceptance=memory)
+    forked = shared.fork()
+    forked.begin()
+    for _ in range(10):
+        forked.choose(8, 10)
+        forked.record(8, 5, 0.01)
+    assert memory.evidence == 0  # untouched while the fork decodes
+    shared.absorb(forked)
+    assert shared.acceptance is memory and memory.reached == forked.acceptance.reached and memory.evidence > 0
+    forked.acceptance.observe(7, 0)
+    assert memory.reached != forked.acceptance.reached  # a copy: the fork's later cycles stay its own

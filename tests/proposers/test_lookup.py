@@ -324,3 +324,34 @@ def test_auto_keeps_a_strong_drafter_and_takes_a_lookup_that_copies():
     assert copying["chosen"][LOOKUP] >= 0.9 * 0.6 * 400  # nearly every match of a copying lookup is verified
     weak = simulate(p_drafter=0.95, p_lookup=0.0, match_rate=1.0)
     assert weak["chosen"][LOOKUP] <= 4  # a lookup that is never right is (nearly) never verified
+
+
+@pytest.mark.parametrize("alphabet", [20, 2000, 50000])  # repetitive, text-like, all n-grams new
+def test_the_index_memory_estimate_follows_what_python_allocates(alphabet):
+    import tracemalloc
+
+    tokens = [int(t) for t in np.random.default_rng(alphabet).integers(0, alphabet, 6000)]
+    lookup = PromptLookup()
+    tracemalloc.start()
+    try:
+        lookup.sync(tokens)
+        used = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert 0.75 * used <= lookup.nbytes <= 1.33 * used
+    lookup.truncate(tokens, 100)
+    small = PromptLookup()
+    small.sync(tokens[:100])
+    assert lookup.nbytes == small.nbytes and lookup.copy().nbytes == small.nbytes
+
+
+def test_a_stored_session_counts_its_lookup_index():
+    from mlx_dflash.server.worker.prompt_cache import session_bytes
+
+    model = build("qwen3", seed=0)
+    session = DecodingSession(TargetModel(model), None, lookup=PromptLookup())
+    tokens = [int(t) for t in np.random.default_rng(1).integers(4, VOCAB, 300)]
+    session.extend(tokens, make_sampler(0.0))
+    session.lookup.sync(session.tokens)
+    without = sum(c.nbytes for c in session.cache)
+    assert session.lookup.nbytes > 0 and session_bytes(session) == without + session.lookup.nbytes

@@ -9,86 +9,24 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import numpy as np
 import pytest
+from helpers.engine_runs import expected, greedy_requests, prompts, serve_all
 from helpers.families import HYBRID_CONFIGS, build
 from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client, tiny_pair
-from helpers.tiny import EOS_ID, VOCAB, FakeTokenizer, greedy_reference, tiny_drafter
+from helpers.tiny import FakeTokenizer, greedy_reference, tiny_drafter
 
 from mlx_dflash.decoding import session as session_module
 from mlx_dflash.server import Engine, EngineConfig
-from mlx_dflash.server.worker.jobs import Finished, GenerationRequest, Step
-
-
-class Reply:
-    def __init__(self, name: str, log: list):
-        self.name, self.log = name, log
-        self.steps: list[Step] = []
-        self.finished: Finished | None = None
-        self.done = threading.Event()
-
-    def __call__(self, item: Step | Finished) -> None:
-        self.log.append((self.name, type(item).__name__))
-        if isinstance(item, Finished):
-            self.finished = item
-            self.done.set()
-        else:
-            self.steps.append(item)
-
-    @property
-    def tokens(self) -> list[int]:
-        return [t for s in self.steps for t in s.tokens]
-
-    @property
-    def text(self) -> str:
-        return "".join(s.text for s in self.steps)
-
-
-def serve_all(engine: Engine, requests: list[GenerationRequest], cancel: int | None = None,
-              stop: bool = True) -> list[Reply]:
-    """Submit every request, then start the worker; wait for all (cancelling request `cancel` once it streams);
-    `stop`: stop the engine after (which empties its prompt cache)."""
-    log: list = []
-    replies = [Reply(str(i), log) for i in range(len(requests))]
-    jobs = [engine.submit(r, reply) for r, reply in zip(requests, replies, strict=True)]
-    engine.start()
-    try:
-        if cancel is not None:
-            while len(replies[cancel].steps) < 3 and not replies[cancel].done.is_set():
-                replies[cancel].done.wait(0.005)
-            jobs[cancel].cancelled.set()
-        for reply in replies:
-            assert reply.done.wait(120), f"request {reply.name} did not finish"
-    finally:
-        if stop:
-            engine.stop()
-    engine.log = log
-    return replies
+from mlx_dflash.server.worker.jobs import GenerationRequest
 
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     return tiny_pair(tmp_path_factory.mktemp("batch"))
-
-
-def expected(model, request: GenerationRequest) -> list[int]:
-    """mlx-lm's greedy reply to `request`, up to its end-of-sequence token."""
-    reference = greedy_reference(model, request.prompt, request.max_tokens)
-    return reference[: reference.index(EOS_ID)] if EOS_ID in reference else reference
-
-
-def prompts(seed: int, lengths) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [[int(t) for t in rng.integers(4, VOCAB, n)] for n in lengths]
-
-
-def greedy_requests(**fields) -> list[GenerationRequest]:
-    return [GenerationRequest(p, n, **fields) for p, n in zip(prompts(0, (12, 70, 3, 41, 25, 90)),
-                                                              (30, 12, 45, 24, 40, 33), strict=True)]
 
 
 def test_concurrent_greedy_requests_are_batched_and_each_equals_its_solo_reply(pair):
@@ -115,7 +53,9 @@ def test_stop_strings_and_logprobs_are_unchanged_by_batching(pair):
     requests = greedy_requests(top_logprobs=2)
     for r, stop in zip(requests, stops, strict=True):
         r.stops = stop
-    batched = serve_all(Engine(target, tokenizer, drafter, EngineConfig(max_batch=6)), requests)
+    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=6))
+    batched = serve_all(engine, requests)
+    assert sum(engine._scheduler.batch.widths.values()) > 5  # the stop strings and logprobs were batched
     for b, s in zip(batched, solo, strict=True):
         assert b.text == s.text and b.finished.stop == s.finished.stop
         assert b.finished.finish_reason == s.finished.finish_reason
@@ -137,7 +77,9 @@ def test_seeded_samples_repeat_beside_other_requests(pair):
         return sampled[:1] + greedy + sampled[1:] + unseeded
 
     alone = serve_all(Engine(target, tokenizer, drafter, EngineConfig(max_batch=1)), requests())
-    together = serve_all(Engine(target, tokenizer, drafter, EngineConfig(max_batch=6)), requests())
+    engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=6))
+    together = serve_all(engine, requests())
+    assert engine._scheduler.peak >= 3 and sum(engine._scheduler.batch.widths.values()) > 5  # beside a batch
     for i in (0, 1, 2, 3, 4):  # seeded samples and greedy replies repeat exactly
         assert together[i].tokens == alone[i].tokens, i
     assert together[5].finished.finish_reason == "length" and len(together[5].tokens) == 20
@@ -148,6 +90,7 @@ def test_a_cancelled_request_leaves_without_disturbing_the_rest(pair):
     engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=6))
     replies = serve_all(engine, greedy_requests(), cancel=4)
     assert replies[4].finished.finish_reason == "cancelled" and len(replies[4].tokens) < 40
+    assert max(int(w) for w in engine._scheduler.batch.widths) > 1 and engine._scheduler.peak == 6
     for i, (reply, request) in enumerate(zip(replies, greedy_requests(), strict=True)):
         if i != 4:
             assert reply.tokens == expected(target, request)
@@ -157,9 +100,13 @@ def test_a_batched_conversation_goes_on_from_the_prompt_cache(pair):
     target, tokenizer, drafter = pair
     engine = Engine(target, tokenizer, drafter, EngineConfig(max_batch=4))
     first = serve_all(engine, greedy_requests()[:4], stop=False)
+    cycles = sum(engine._scheduler.batch.widths.values())
+    assert cycles > 5
     follow = [GenerationRequest(r.prompt + reply.tokens + [9, 10, 11], 20)
               for r, reply in zip(greedy_requests()[:4], first, strict=True)]
-    again = serve_all(engine, follow)
+    again = serve_all(engine, follow, stop=False)
+    assert sum(engine._scheduler.batch.widths.values()) > cycles + 5  # the follow-ups were batched too
+    engine.stop()
     for reply, request in zip(again, follow, strict=True):
         assert reply.finished.cached_tokens >= len(request.prompt) - 5
         assert reply.tokens == expected(target, request)

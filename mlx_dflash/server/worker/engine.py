@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
-from ...batching.batch import kv_bytes_per_token
+from ...batching.batch import batch_footprint
 from ...decoding.session import DecodingSession
 from ...decoding.stats import GenerationStats
 from ...platform.runtime import default_batch_bytes, default_prompt_cache_bytes, settle, wired_limit
@@ -55,7 +55,7 @@ class Engine:
         if drafter is None and not lookup:
             size = 1
         self.block_size = size if size == AUTO else check_block_size(int(size), drafter, lookup=lookup)
-        # One policy for every request: what pays on this machine holds across them.
+        # Every request forks it (`auto.policy.fork`): the costs on this machine hold across them.
         self.policy = make_policy(self.block_size, self.max_block_size, self.config.calibration,
                                   drafter=drafter is not None, lookup=lookup)
         self.max_context = getattr(self.target.args, "max_position_embeddings", None)
@@ -66,7 +66,7 @@ class Engine:
         self.prompt_cache = PromptCache(cache_bytes, self._new_session)
         if self.config.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.config.max_batch}")
-        self.token_bytes = kv_bytes_per_token(self.target, drafter)
+        self.footprint = batch_footprint(self.target, drafter, self.max_block_size)
         self.batch_bytes = self.config.batch_bytes
         if self.batch_bytes is None:
             self.batch_bytes = default_batch_bytes(cache_bytes, self.target.model, drafter)
@@ -122,9 +122,11 @@ class Engine:
 
     @property
     def waiting(self) -> int:
-        """Requests not admitted yet."""
+        """Live requests not admitted yet (a cancelled one holds no place: the worker drops it)."""
         scheduler = self._scheduler
-        return self._jobs.qsize() + (len(scheduler.waiting) if scheduler is not None else 0)
+        # list() of a deque copies it in C, holding the GIL: safe beside the worker's changes.
+        jobs = list(self._jobs.queue) + (list(scheduler.waiting) if scheduler is not None else [])
+        return sum(job is not None and not job.cancelled.is_set() for job in jobs)
 
     @property
     def busy(self) -> bool:

@@ -48,6 +48,8 @@ def session_bytes(session: DecodingSession) -> int:
             total += sum(a.nbytes for _, a in tree_flatten(c.state))
     if session.proposer is not None:
         total += sum(a.nbytes for a in session.proposer.state_arrays())
+    if session.lookup is not None:  # Python objects, not arrays: as much again as a small model's K/V
+        total += session.lookup.nbytes
     return total
 
 

@@ -11,9 +11,15 @@ left with one row hands it back to decode alone, with launching ahead and prompt
 A new request is prefilled at the end of a loop, in 512-token chunks; between its chunks the
 running requests go on and newly arrived ones are admitted and prefilled (so a long prompt
 stalls neither). Admission keeps to `max_batch` and to a memory budget for the batched caches
-(every row is as long as the longest). A seeded
-sampled request draws from MLX's global generator as it would alone: it is not run beside
-another sampled request (greedy ones draw nothing), so its sample repeats exactly.
+(`batching.batch.BatchFootprint`: every row as long as the longest, a layer's copy in flight). A
+seeded sampled request draws from MLX's global generator as it would alone: it is not run beside
+another sampled request (greedy ones draw nothing), so its sample repeats exactly; sampled
+requests behind one that waits for that wait too, so no request waits for ever. Cancelled
+requests leave the queue at once, wherever they wait. Each request's `auto` policy is its own
+fork of the engine's (`auto.policy.fork`).
+
+A failure is its request's alone: one request's clean-up (keeping its conversation) or a
+failure between another's prefill chunks ends no other request.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from typing import Any, Protocol
 
 import mlx.core as mx
 
-from ...auto.policy import make_policy, reproducible
-from ...batching.batch import SessionBatch, refusal
+from ...auto.policy import absorb, fork, make_policy, reproducible
+from ...batching.batch import BatchFootprint, SessionBatch, refusal
 from ...decoding.block_size import BlockSizePolicy, FixedBlockSize
 from ...decoding.loop import GenerationEvent, stream_session
 from ...decoding.sampling import make_sampler
@@ -54,7 +60,7 @@ class EngineView(Protocol):
     max_block_size: int
     stop_ids: set[int]
     prompt_cache: PromptCache
-    token_bytes: int  # batched cache bytes per token of one row
+    footprint: BatchFootprint  # what the batched caches take per row and position
     batch_bytes: int  # what the batched caches may take
 
 
@@ -70,7 +76,7 @@ class Run:
         if self.seeded:  # (a greedy request's seed would only disturb a seeded sample running beside it)
             mx.random.seed(req.seed)
         self.sampler = make_sampler(req.temperature, top_p=req.top_p, min_p=req.min_p, top_k=req.top_k)
-        policy = reproducible(engine.policy, engine.max_block_size, req.seed, req.temperature)
+        self.policy = fork(reproducible(engine.policy, engine.max_block_size, req.seed, req.temperature))
         self.text = TextFilter(req.stops)
         self.constrained = req.constraint is not None
         constraint = req.constraint() if req.constraint is not None else None
@@ -79,7 +85,7 @@ class Run:
         head, new = engine.prompt_cache.split_prompt(self.session, req.prompt[len(self.session.tokens):])
         self.prompt_tokens = len(new)
         stream = stream_session(self.session, new, self.sampler, max_tokens=req.max_tokens, stop=engine.stop_ids,
-                                detokenizer=engine.tokenizer.detokenizer, policy=policy, constraint=constraint)
+                                detokenizer=engine.tokenizer.detokenizer, policy=self.policy, constraint=constraint)
         self.stream = engine.prompt_cache.prefed(self.session, head, stream)
         self.end = len(req.prompt) + req.max_tokens  # positions it may reach
         self.refused: str | None = None  # why the batch does not take it ("": it does; None: not asked yet)
@@ -133,6 +139,7 @@ class Run:
     def close(self, consistent: bool) -> None:
         """End the stream and keep the session for later requests (if it is consistent, or can be made so)."""
         session = self.session
+        absorb(self.engine.policy, self.policy)
         if session.batch is not None:
             session.batch.remove(session)
         end_stream(self.stream, self._store, consistent)
@@ -202,14 +209,13 @@ class Scheduler:
             return
 
     def _admit(self) -> None:
+        self._purge()
+        held = False  # a sampled request waits for the generator: the sampled ones behind it wait too
         for job in list(self.waiting):
-            if job.cancelled.is_set():
-                self.waiting.remove(job)
-                job.emit(Finished("cancelled", GenerationStats(prompt_tokens=len(job.request.prompt))))
-                continue
             if len(self.runs) >= self.max_batch or not self._fits(job):
                 break  # in arrival order: a large request is not overtaken for ever
-            if self._draws_beside(job):
+            if job.request.temperature > 0 and (held or self._draws_beside(job)):
+                held = True
                 continue
             self.waiting.remove(job)
             try:
@@ -223,6 +229,12 @@ class Scheduler:
             self.runs.append(run)
             self.peak = max(self.peak, len(self.runs))
 
+    def _purge(self) -> None:
+        """End every cancelled waiting request now: one that will never run must not hold a place."""
+        for job in [job for job in self.waiting if job.cancelled.is_set()]:
+            self.waiting.remove(job)
+            job.emit(Finished("cancelled", GenerationStats(prompt_tokens=len(job.request.prompt))))
+
     def _draws_beside(self, job: Job) -> bool:
         """A seeded sample must not share the generator with another sampled request."""
         req = job.request
@@ -235,7 +247,7 @@ class Scheduler:
         if not self.runs:
             return True
         ends = [run.end for run in self.runs] + [len(job.request.prompt) + job.request.max_tokens]
-        return len(ends) * max(ends) * self.engine.token_bytes <= self.engine.batch_bytes
+        return self.engine.footprint.peak(len(ends), max(ends)) <= self.engine.batch_bytes
 
     # -- decoding ----------------------------------------------------------------------------
     def _cycle(self) -> None:
@@ -262,11 +274,16 @@ class Scheduler:
     def _between_chunks(self) -> None:
         """Between a long prompt's chunks: newly arrived requests are admitted and prefilled (a short
         prompt does not wait behind a long one), and every running request takes a cycle."""
-        self._take(block=False)
-        self._admit()
-        self._prefill()
-        self._cycle()
-        self._regroup()
+        try:
+            self._take(block=False)
+            self._admit()
+            self._prefill()
+            self._cycle()
+            self._regroup()
+        except Exception as e:  # noqa: BLE001 - not the prefilled request's fault: it goes on
+            logger.exception("mlx-dflash serve: the decode loop failed between prefill chunks; ending the "
+                             "running requests")
+            self._fail([run for run in self.runs if not run.prefilling], e)
 
     def _advance(self, run: Run) -> None:
         try:
@@ -278,6 +295,8 @@ class Scheduler:
         self.runs.remove(run)
         try:
             run.close(consistent)
+        except Exception:  # noqa: BLE001 - the reply is whole; only its conversation is not kept
+            logger.exception("mlx-dflash serve: a finished request's conversation could not be kept")
         finally:
             run.job.emit(finished)
 
