@@ -162,6 +162,8 @@ class TokenConstraint:
         self._grammar_eos = np.array([t for t in tokenizer.eos_tokens if t < self._words], dtype=np.int64)
         self.rejected_drafts = 0  # drafted tokens the grammar refused (each cycle's first)
 
+    CHECKED = 16  # a mask allowing this few tokens has each one checked against the parser
+
     @classmethod
     def for_json(cls, tokenizer: Any, schema: dict | None, vocab_size: int) -> TokenConstraint:
         """JSON matching `schema` (None: any object), ended by the tokenizer's stop tokens."""
@@ -181,6 +183,10 @@ class TokenConstraint:
         row = np.zeros(self.vocab_size, dtype=bool)
         row[: self._words] = bits[: self._words]
         row[self._grammar_eos] = False  # the grammar's end is our stop tokens, decided below
+        few = np.flatnonzero(row)
+        if len(few) <= self.CHECKED:  # where text the vocabulary cannot spell is forced, the mask can
+            for token in few:  # let through a token the parser then refuses (an unknown-token id)
+                row[token] = self.matcher.validate_tokens([int(token)]) == 1
         # Satisfied, or a dead end the vocabulary cannot continue: the output may (must) end here.
         if self.matcher.is_accepting() or not row.any():
             row[self._stop] = True

@@ -440,3 +440,18 @@ def test_core_imports_without_llguidance(tokenizer, monkeypatch):
     monkeypatch.setitem(sys.modules, "llguidance", None)
     with pytest.raises(StructuredOutputUnavailable, match=r"mlx-dflash\[serve\]"):
         json_schema_grammar(None)
+
+
+def test_text_the_vocabulary_cannot_spell_ends_the_output_instead_of_failing(tmp_path):
+    """A character-level vocabulary without 'ñ': the mask after the opening quote would let the
+    unknown-token id through, which the parser then refuses; the row offers only the stop tokens."""
+    from helpers.scripted import scripted_pair
+
+    _, tokenizer, _ = scripted_pair(tmp_path, template="{{ messages[0].content }}", strings=['"'],
+                                    script=[("x", '"', 50.0)])
+    constraint = TokenConstraint.for_json(tokenizer, {"enum": ["ñ"]}, 200)
+    quote = int(np.flatnonzero(constraint.allowed())[0])
+    constraint.commit([quote])
+    row = constraint.allowed()
+    assert set(np.flatnonzero(row)) == set(constraint.stop_tokens)
+    assert constraint.rows([]).shape == (1, 200)
