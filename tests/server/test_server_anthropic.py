@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import threading
+import time
 from types import SimpleNamespace
 
 import httpx
+import mlx.core as mx
 import pytest
 from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, tiny_pair
-from helpers.tiny import EOS_ID, greedy_reference
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
 
 from mlx_dflash.server.apis import anthropic_api
 from mlx_dflash.server.http.state import ServerState
@@ -27,6 +31,32 @@ def server(pair):
 @pytest.fixture(scope="module")
 def client(server):
     return anthropic_client(server)
+
+
+@pytest.fixture(scope="module")
+def endless(pair):
+    """The tiny target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
+    _, tokenizer, _ = pair
+    model = tiny_target("qwen3", seed=0)
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
+    mx.eval(model.parameters())
+    return model, tokenizer, tiny_drafter(model, block_size=8)
+
+
+def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
+    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
+    what Ctrl-C and shutdown call)."""
+    box: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not live.engine.busy:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.01)
+    live.engine.cancel_all()
+    thread.join(60)
+    return box["r"]
 
 
 def expected_reply(pair, messages: list[dict], n: int) -> tuple[str, int, int]:
@@ -89,6 +119,8 @@ BAD = [
     (dict(MESSAGE, messages=[{"role": "system", "content": "x"}]), 400, "invalid_request_error"),
     (dict(MESSAGE, messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), 400,
      "invalid_request_error"),
+    (json.dumps(dict(MESSAGE, system="cut \ud83d")), 400, "invalid_request_error"),  # a lone surrogate
+    (json.dumps(dict(MESSAGE, temperature=1e-45)), 200, None),  # colder than the sampler can divide by: greedy
     (dict(MESSAGE, stop_sequences="x"), 200, None),  # a single string is accepted as one stop sequence
     # A text model: images and documents are refused by name, in messages, tool results and the system prompt.
     (dict(MESSAGE, messages=[{"role": "user", "content": [{"type": "document", "source": {}}]}]), 400,
@@ -108,6 +140,27 @@ BAD = [
           context_management={"edits": []}, tools=[{"type": "web_search_20250305", "name": "web_search"}]), 200,
      None),
 ]
+
+
+def test_a_reply_the_server_cancels_is_an_error_not_end_turn(endless):
+    """Non-streamed: Anthropic's overloaded error (529, which clients retry); streamed: an `error` event
+    ends the stream, with no message_delta whose stop_reason would pass the cut reply as whole."""
+    overloaded = {"type": "error", "error": {"type": "overloaded_error", "message": (
+        "the server cancelled this request before its reply was complete (it is shutting down); retry it")}}
+    body = {"model": MODEL_ID, "max_tokens": 4000, "messages": [{"role": "user", "content": "go on"}]}
+    with LiveServer(*endless) as live:
+        response = cancelled_by_the_server(live, "/v1/messages", body)
+        assert response.status_code == 529 and response.json() == overloaded, response.text
+        response = cancelled_by_the_server(live, "/v1/messages", dict(body, stream=True))
+        assert response.status_code == 200
+        frames = [frame.split("\n") for frame in response.text.strip().split("\n\n")]
+        events = [(head[len("event: "):], json.loads(data[len("data: "):])) for head, data in frames]
+        assert events[0][0] == "message_start" and events[-1] == ("error", overloaded)
+        assert {kind for kind, _ in events[1:-1]} <= {"content_block_start", "content_block_delta"}
+        assert live.wait_idle(30)
+        reply = anthropic_client(live).messages.create(model=MODEL_ID, max_tokens=8,
+                                                       messages=[{"role": "user", "content": "next"}])
+        assert reply.stop_reason == "max_tokens"  # the server serves on
 
 
 def test_bad_messages_get_anthropic_errors(server):

@@ -10,6 +10,7 @@ import json
 import shutil
 import subprocess
 import threading
+import time
 
 import httpx
 import mlx.core as mx
@@ -19,6 +20,7 @@ from helpers.serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
 from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
 
 import mlx_dflash
+from mlx_dflash.server.http.errors import APIError
 
 
 @pytest.fixture(scope="module")
@@ -157,6 +159,20 @@ def test_logprobs_are_the_targets_own(pair, client):
     assert len(completion.choices[0].logprobs.token_logprobs) == len(reference_ids(model, prompt, 12))
 
 
+def test_logprobs_of_tokens_a_grammar_rules_out_are_openais_floor(server):
+    """Structured output masks tokens to -inf, which JSON cannot carry: they read -9999.0, as in OpenAI's API."""
+    body = dict(CHAT, logprobs=True, top_logprobs=20, response_format={"type": "json_object"})
+    plain = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert plain.status_code == 200, plain.text
+    content = plain.json()["choices"][0]["logprobs"]["content"]
+    streamed = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=True))
+    chunks = [json.loads(block[len("data: "):], parse_constant=lambda word: pytest.fail(f"{word} is not JSON"))
+              for block in streamed.text.split("\n\n")[:-2]]
+    assert [e for c in chunks for e in (c["choices"][0]["logprobs"] or {}).get("content", [])] == content
+    tops = [t["logprob"] for entry in content for t in entry["top_logprobs"]]
+    assert len(tops) == 20 * len(content) and -9999.0 in tops and min(tops) == -9999.0
+
+
 def test_sampled_logprobs_are_the_targets_own(pair, client):
     model, tokenizer, _ = pair
     prompt = chat_ids(tokenizer, "Sample with logprobs")
@@ -236,7 +252,13 @@ def test_dropped_stream_stops_its_generation_and_the_next_request_is_served(endl
         with httpx.stream("POST", live.url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             received = [next(lines) for _ in range(4)]
-        assert any(line.startswith("data: ") for line in received)
+        # Two chunks (each an event line and its blank line) of the greedy reply's start, not finished.
+        assert received[1] == received[3] == "" and all(line.startswith("data: {") for line in received[::2])
+        chunks = [json.loads(line[len("data: "):]) for line in received[::2]]
+        assert all(c["object"] == "text_completion" and c["choices"][0]["finish_reason"] is None for c in chunks)
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text and tokenizer.decode(greedy_reference(model, tokenizer.encode("forever and ever"), 48)) \
+            .startswith(text)
         assert live.wait_idle(60), "the dropped generation did not stop"
         sessions = [s for s, _ in live.engine.prompt_cache._entries.values()]
         prompt = tokenizer.encode("forever and ever")
@@ -246,11 +268,76 @@ def test_dropped_stream_stops_its_generation_and_the_next_request_is_served(endl
         assert reply.choices[0].text == tokenizer.decode(greedy_reference(model, tokenizer.encode("next one"), 16))
 
 
+SERVER_CANCELLED_MESSAGE = ("the server cancelled this request before its reply was complete (it is shutting "
+                            "down); retry it")
+
+
+def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
+    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
+    what Ctrl-C and shutdown call)."""
+    box: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not live.engine.busy:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.01)
+    live.engine.cancel_all()
+    thread.join(60)
+    return box["r"]
+
+
+def test_a_reply_the_server_cancels_is_an_error_not_a_finished_reply(endless):
+    """Non-streamed: a 503 in OpenAI's shape (the SDK retries it); streamed: the error chunk, then [DONE]."""
+    shutting_down = {"error": {"message": SERVER_CANCELLED_MESSAGE, "type": "server_error", "param": None,
+                               "code": "server_shutting_down"}}
+    chat = {"model": MODEL_ID, "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000}
+    with LiveServer(*endless) as live:
+        for route, body in (("/v1/chat/completions", chat),
+                            ("/v1/completions", {"model": MODEL_ID, "prompt": "go on", "max_tokens": 4000})):
+            response = cancelled_by_the_server(live, route, body)
+            assert response.status_code == 503 and response.json() == shutting_down, (route, response.text)
+        response = cancelled_by_the_server(live, "/v1/chat/completions", dict(chat, stream=True))
+        assert response.status_code == 200 and response.text.endswith("data: [DONE]\n\n")
+        events = [json.loads(block[len("data: "):]) for block in response.text.split("\n\n")[:-2]]
+        assert events[-1] == shutting_down
+        assert all(c["finish_reason"] is None for e in events[:-1] for c in e["choices"])
+        assert live.wait_idle(30)
+        reply = openai_client(live).completions.create(model=MODEL_ID, prompt="next one", max_tokens=8)
+        assert reply.choices[0].finish_reason == "length"  # the server serves on
+
+
+def test_openai_error_types_are_openais():
+    """OpenAI's types: `server_error` for the server's failures, `invalid_request_error` with a code
+    (invalid_api_key, model_not_found, ...) for every client error, whatever the status."""
+    for status in (400, 401, 403, 404, 413, 415, 422):
+        assert APIError(status, "x").openai_type == "invalid_request_error", status
+    for status in (500, 501, 503):
+        assert APIError(status, "x").openai_type == "server_error", status
+
+
+def test_openai_errors_name_the_case_in_code_not_type(pair):
+    with LiveServer(*pair, strict_model_name=True) as live:
+        chat = live.url + "/v1/chat/completions"
+        cases = [(httpx.post(chat, json=dict(CHAT, model="gpt-4o")), 404, "model_not_found"),
+                 (httpx.get(live.url + "/v1/models/gpt-4o"), 404, "model_not_found"),
+                 (httpx.post(chat, json=CHAT, headers={"Origin": "https://evil.example"}), 403, "origin_not_allowed"),
+                 (httpx.post(live.url + "/v1/nowhere", json=CHAT), 404, None)]
+        for response, status, code in cases:
+            error = response.json()["error"]
+            assert response.status_code == status and error["type"] == "invalid_request_error", response.text
+            assert error["code"] == code and error["message"], response.text
+        with pytest.raises(openai.NotFoundError):
+            openai_client(live).chat.completions.create(model="gpt-4o", messages=CHAT["messages"], max_tokens=2)
+
+
 def test_api_key(pair):
     with LiveServer(*pair, api_key="sesame") as live:
         body = {"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}
         refused = httpx.post(live.url + "/v1/completions", json=body)
-        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        assert refused.status_code == 401
+        assert refused.json()["error"]["type"] == "invalid_request_error"  # OpenAI's type; the code tells why
+        assert refused.json()["error"]["code"] == "invalid_api_key"
         wrong = httpx.post(live.url + "/v1/completions", json=body, headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
         anthropic_shape = httpx.post(live.url + "/v1/messages", json=body)
@@ -290,6 +377,11 @@ BAD_REQUESTS = [
     ("/v1/completions", {"model": MODEL_ID, "prompt": {"text": "x"}}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_ID, "prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL_ID, "prompt": "ab" * 2100}, 400, "prompt"),
+    # Lone surrogates (JSON escapes with no pair): no Unicode text, so no tokenizer or reply may meet them.
+    ("/v1/completions", json.dumps({"model": MODEL_ID, "prompt": "cut \ud83d"}), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps(dict(CHAT, messages=[{"role": "user", "content": ["\udc00"]}])), 400,
+     "messages[0].content[0]"),
+    ("/v1/chat/completions", json.dumps(dict(CHAT, user={"\udc00": 1})), 400, "user.\\udc00"),
     ("/v1/nowhere", CHAT, 404, None),
 ]
 
@@ -301,11 +393,25 @@ def test_bad_requests_get_openai_errors_and_the_server_lives(server):
         assert response.status_code == status, (route, body, response.text)
         error = response.json()["error"]
         assert isinstance(error["message"], str) and error["message"], (route, body)
-        assert error["type"] == ("not_found_error" if status == 404 else "invalid_request_error")
+        assert error["type"] == "invalid_request_error"
         if param is not None:
             assert error["param"] == param, (route, body, error)
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     assert httpx.post(server.url + "/v1/chat/completions", json=CHAT).status_code == 200
+
+
+def test_sampling_too_narrow_for_float32_is_greedy(client):
+    """A temperature under 1e-6 is greedy decoding, and a top-p under 1e-6 keeps the top token alone: the
+    sampler's 1/temperature cannot overflow into NaN logits, nor a top-p round to 0 and keep no token
+    (garbage tokens, and a 500 where a grammar refuses them)."""
+    def ask(temperature: float, **extra) -> str:
+        return client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "Cold."}],
+                                              max_tokens=6, temperature=temperature, **extra).choices[0].message.content
+
+    greedy = ask(0.0)
+    assert ask(1e-45) == ask(1e-40) == ask(1.0, top_p=1e-300) == ask(1.0, top_p=1e-46) == greedy
+    json_object = {"response_format": {"type": "json_object"}}
+    assert ask(1e-45, **json_object) == ask(1.0, top_p=1e-300, **json_object) == ask(0.0, **json_object)
 
 
 def test_token_logprobs_read_each_tokens_row():
@@ -353,7 +459,10 @@ def test_ctrl_c_ends_streams_in_flight_cleanly(endless):
             live.server.handle_exit(signal.SIGINT, None)  # what Ctrl-C calls
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]"
-        assert json.loads(rest[-2][len("data: "):])["choices"][0]["finish_reason"] == "stop"
+        # The cut reply ends with an error, never a finish reason a client would take for a whole reply.
+        assert json.loads(rest[-2][len("data: "):]) == {"error": {
+            "message": SERVER_CANCELLED_MESSAGE, "type": "server_error", "param": None, "code": "server_shutting_down"}}
+        assert not any(c["finish_reason"] for line in rest[:-2] for c in json.loads(line[len("data: "):])["choices"])
         live.thread.join(30)
         assert not live.thread.is_alive()
     finally:

@@ -8,14 +8,17 @@ request shaped like Codex's is served and its event stream validated against the
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import httpx
+import mlx.core as mx
 import openai
 import pydantic
 import pytest
 from helpers.scripted import scripted_pair
 from helpers.serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
-from helpers.tiny import EOS_ID, greedy_reference
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
 from openai.types.responses import ResponseStreamEvent
 
 from mlx_dflash.decoding.stats import GenerationStats
@@ -77,6 +80,32 @@ def tools_client(scripted):
     return openai_client(scripted)
 
 
+@pytest.fixture(scope="module")
+def endless(pair):
+    """The tiny target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
+    _, tokenizer, _ = pair
+    model = tiny_target("qwen3", seed=0)
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
+    mx.eval(model.parameters())
+    return model, tokenizer, tiny_drafter(model, block_size=8)
+
+
+def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
+    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
+    what Ctrl-C and shutdown call)."""
+    box: dict[str, httpx.Response] = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not live.engine.busy:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.01)
+    live.engine.cancel_all()
+    thread.join(60)
+    return box["r"]
+
+
 def reference(pair, messages: list[dict], n: int) -> tuple[str, int]:
     """The target alone: greedy text and its length in tokens."""
     model, tokenizer, _ = pair
@@ -103,7 +132,7 @@ def check_events(events: list, final) -> None:
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     closing, given = events[-1], final
     assert closing.type == {"completed": "response.completed", "incomplete": "response.incomplete",
-                            "failed": "response.failed"}[given.status]
+                            "failed": "response.failed", "cancelled": "response.failed"}[given.status]
     final = closing.response
     assert final.id == given.id and final.output_text == given.output_text and final.usage == given.usage
     assert [o.type for o in final.output] == [o.type for o in given.output]
@@ -357,6 +386,30 @@ def test_a_failed_generation_ends_the_stream_with_response_failed(scripted):
     check_events(parsed, final)
 
 
+def test_a_reply_the_server_cancels_is_an_error_not_a_completed_response(endless):
+    """Non-streamed: a 503 in OpenAI's shape (the SDK retries it); streamed: response.failed, the response
+    cancelled with an error that says so, its open item incomplete (every event an SDK type)."""
+    message = "the server cancelled this request before its reply was complete (it is shutting down); retry it"
+    body = {"model": MODEL_ID, "input": "go on", "max_output_tokens": 4000}
+    with LiveServer(*endless) as live:
+        response = cancelled_by_the_server(live, "/v1/responses", body)
+        assert response.status_code == 503 and response.json() == {"error": {
+            "message": message, "type": "server_error", "param": None, "code": "server_shutting_down"}}
+        response = cancelled_by_the_server(live, "/v1/responses", dict(body, stream=True))
+        assert response.status_code == 200
+        adapter = pydantic.TypeAdapter(ResponseStreamEvent)
+        events = [adapter.validate_python(json.loads(frame.split("\n")[1][len("data: "):]))
+                  for frame in response.text.strip().split("\n\n")]
+        final = events[-1].response
+        assert events[-1].type == "response.failed" and final.status == "cancelled"
+        assert final.error.code == "server_error" and final.error.message == message
+        assert [item.status for item in final.output] == ["incomplete"] and final.output_text
+        check_events(events, final)
+        assert live.wait_idle(30)
+        reply = openai_client(live).responses.create(model=MODEL_ID, input="next", max_output_tokens=8)
+        assert reply.status == "incomplete"  # the server serves on
+
+
 # -- refusals, in OpenAI's error shape -----------------------------------------------------------
 @pytest.mark.parametrize("extra, param", [
     ({"store": True}, "store"),
@@ -370,10 +423,17 @@ def test_a_failed_generation_ends_the_stream_with_response_failed(scripted):
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]"),
     ({"input": []}, "input"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
+    # allowed_tools with its tools not an array of tools, or a mode that allows none.
+    ({"tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": 5}, "tools": [WEATHER]}, "tool_choice.tools"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": True}, "tools": [WEATHER]}, "tool_choice.tools"),
+    ({"tool_choice": {"type": "allowed_tools", "tools": ["get_weather"]}, "tools": [WEATHER]}, "tool_choice.tools"),
+    ({"tool_choice": {"type": "allowed_tools", "mode": "none", "tools": []}, "tools": [WEATHER]}, "tool_choice.mode"),
+    ({"metadata": {"note": "cut \ud83d"}}, "metadata.note"),  # a lone surrogate: no Unicode text
 ])
 def test_refusals_are_openai_errors(scripted, extra, param):
-    body = dict({"model": MODEL_ID, "input": "Hi"}, **extra)
-    reply = httpx.post(scripted.url + "/v1/responses", json=body, timeout=30)
+    body = json.dumps(dict({"model": MODEL_ID, "input": "Hi"}, **extra))  # ASCII: a lone surrogate as its escape
+    reply = httpx.post(scripted.url + "/v1/responses", content=body, headers={"Content-Type": "application/json"},
+                       timeout=30)
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]

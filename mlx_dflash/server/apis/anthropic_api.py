@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..http import fields
-from ..http.errors import APIError
+from ..http.errors import APIError, failure
 from ..http.sse import sse_event
 from ..http.state import JobStream, ServerState, dflash_extension, usage_numbers
 from ..reply.events import ReasoningDelta, TextDelta, ToolCallItem
@@ -239,10 +239,12 @@ def _prompt(state: ServerState, body: dict) -> tuple[list[int], list[dict] | Non
 
 
 def count_request(state: ServerState, body: dict) -> list[int]:
+    fields.unicode_text(body, brackets=False)
     return _prompt(state, body)[0]
 
 
 def messages_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Options]:
+    fields.unicode_text(body, brackets=False)
     max_tokens = fields.integer(body, "max_tokens", None, low=1)
     if max_tokens is None:
         raise APIError(400, "'max_tokens' is required", param="max_tokens")
@@ -251,8 +253,8 @@ def messages_request(state: ServerState, body: dict) -> tuple[GenerationRequest,
     request = GenerationRequest(
         prompt=prompt,
         max_tokens=state.budget(prompt, max_tokens),
-        temperature=fields.number(body, "temperature", state.temperature_default, 0.0, 1.0),
-        top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        temperature=fields.temperature(body, "temperature", state.temperature_default, 1.0),
+        top_p=fields.top_p(body, "top_p"),
         top_k=fields.top_k(body, "top_k", state.engine.target.vocab_size),
         stops=fields.stop_strings(body, "stop_sequences", limit=64),
     )
@@ -348,8 +350,9 @@ def _items(options: Options, text: str) -> list:
 
 
 def _stop_reason(finished: Finished, tool_use: bool, options: Options) -> str:
-    if finished.finish_reason == "error":
-        raise APIError(500, f"generation failed: {finished.error}")
+    error = failure(finished.finish_reason, finished.error)
+    if error is not None:
+        raise error
     if tool_use:
         return "tool_use"
     if finished.stop is not None:
@@ -399,8 +402,9 @@ async def stream(
                 for data in blocks.push(part):
                     yield event(data)
             continue
-        if item.finish_reason == "error":
-            yield event(APIError(500, f"generation failed: {item.error}").anthropic_body())
+        error = failure(item.finish_reason, item.error)
+        if error is not None:
+            yield event(error.anthropic_body())
             return
         for part in options.parser.finish():
             for data in blocks.push(part):

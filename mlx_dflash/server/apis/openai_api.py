@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..http import fields
-from ..http.errors import APIError
+from ..http.errors import failure
 from ..http.sse import done_event, sse_event
 from ..http.state import JobStream, ServerState, dflash_extension, usage_numbers
 from ..reply.events import ReasoningDelta, TextDelta, ToolCallItem
@@ -19,6 +19,9 @@ from ..reply.tools import template_tool_call
 from ..worker.jobs import Finished, GenerationRequest, Step, TokenLogprob
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI's logprob for a token that cannot occur: a grammar (structured output, a forced call) masks
+# tokens to -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
 # Arguments of apply_chat_template itself, not template variables.
 RESERVED_TEMPLATE_ARGS = {"tokenize", "add_generation_prompt", "return_dict", "tools", "conversation",
                           "continue_final_message", "padding", "truncation", "max_length", "return_tensors"}
@@ -120,8 +123,8 @@ def sampling_request(state: ServerState, body: dict, prompt: list[int], max_toke
     return GenerationRequest(
         prompt=prompt,
         max_tokens=state.budget(prompt, max_tokens, param),
-        temperature=fields.number(body, "temperature", state.temperature_default, 0.0, 2.0),
-        top_p=fields.number(body, "top_p", 1.0, 0.0, 1.0, low_open=True),
+        temperature=fields.temperature(body, "temperature", state.temperature_default, 2.0),
+        top_p=fields.top_p(body, "top_p"),
         top_k=fields.top_k(body, "top_k", state.engine.target.vocab_size),
         min_p=fields.number(body, "min_p", 0.0, 0.0, 1.0),
         seed=fields.seed(body),
@@ -130,6 +133,7 @@ def sampling_request(state: ServerState, body: dict, prompt: list[int], max_toke
 
 
 def _common(state: ServerState, body: dict) -> None:
+    fields.unicode_text(body)
     state.check_model(fields.string(body, "model"))
     fields.boolean(body, "stream")
 
@@ -203,8 +207,9 @@ def completion_request(state: ServerState, body: dict) -> tuple[GenerationReques
 
 # -- replies --------------------------------------------------------------------------------
 def _finish_reason(finished: Finished, tool_calls: bool) -> str:
-    if finished.finish_reason == "error":
-        raise APIError(500, f"generation failed: {finished.error}")
+    error = failure(finished.finish_reason, finished.error)
+    if error is not None:
+        raise error
     if tool_calls:
         return "tool_calls"
     return "length" if finished.finish_reason == "length" else "stop"
@@ -221,6 +226,10 @@ def _usage(state: ServerState, request: GenerationRequest, finished: Finished) -
                                           "rejected_prediction_tokens": rejected}}
 
 
+def _logprob(value: float) -> float:
+    return value if value > LOGPROB_FLOOR else LOGPROB_FLOOR  # -inf (and NaN) too
+
+
 class _LogprobFormat:
     def __init__(self, state: ServerState):
         self.decode = state.tokenizer.decode
@@ -229,7 +238,7 @@ class _LogprobFormat:
     def chat(self, items: list[TokenLogprob]) -> list[dict]:
         def one(token: int, logprob: float) -> dict:
             text = self.decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": text, "logprob": _logprob(logprob), "bytes": list(text.encode("utf-8"))}
 
         return [dict(one(i.token, i.logprob), top_logprobs=[one(t, lp) for t, lp in i.top]) for i in items]
 
@@ -238,8 +247,8 @@ class _LogprobFormat:
         for item in items:
             text = self.decode([item.token])
             out["tokens"].append(text)
-            out["token_logprobs"].append(item.logprob)
-            out["top_logprobs"].append({self.decode([t]): lp for t, lp in item.top})
+            out["token_logprobs"].append(_logprob(item.logprob))
+            out["top_logprobs"].append({self.decode([t]): _logprob(lp) for t, lp in item.top})
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
@@ -334,8 +343,8 @@ async def stream(
             for i, delta in enumerate(deltas):
                 yield sse_event(chunk(delta=delta, logprobs=logprobs if i == 0 else None))
             continue
-        if item.finish_reason == "error":
-            error = APIError(500, f"generation failed: {item.error}")
+        error = failure(item.finish_reason, item.error)
+        if error is not None:
             yield sse_event(error.openai_body())
             break
         if chat:

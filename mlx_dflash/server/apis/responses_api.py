@@ -212,17 +212,30 @@ def _choose_tools(body: dict, functions: list[dict]) -> tuple[list[dict] | None,
         return functions or None, choice == "required", None
     if choice == "none":
         return None, False, None
-    if isinstance(choice, dict) and choice.get("type") == "allowed_tools" and \
-            choice.get("mode", "auto") in ("auto", "required"):
-        allowed = {t.get("name") for t in choice.get("tools") or [] if isinstance(t, dict)}
-        return [f for f in functions if f["function"]["name"] in allowed] or None, choice.get("mode") == "required", \
-            None
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        return _allowed_tools(choice, functions)
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         if not isinstance(choice.get("name"), str):
             raise fields.bad("tool_choice", f"a {choice['type']} 'tool_choice' needs the tool's 'name'")
         return functions or None, True, choice["name"]
     raise fields.bad("tool_choice", "'tool_choice' must be 'auto', 'none', 'required', a function or custom tool, "
                      "or an allowed_tools choice; hosted tools are not served here")
+
+
+def _allowed_tools(choice: dict, functions: list[dict]) -> tuple[list[dict] | None, bool, None]:
+    """`_choose_tools` for an allowed_tools choice: the offered tools it lists by name (hosted tools it
+    lists have none here), in mode 'auto' or 'required'."""
+    mode = choice.get("mode", "auto")
+    if mode not in ("auto", "required"):
+        raise fields.bad("tool_choice.mode", "'tool_choice.mode' of an allowed_tools choice must be 'auto' or "
+                         "'required'")
+    listed = choice.get("tools")
+    listed = [] if listed is None else listed
+    if not isinstance(listed, list) or not all(isinstance(t, dict) for t in listed):
+        raise fields.bad("tool_choice.tools", "'tool_choice.tools' must be an array of tools, such as "
+                         "{'type': 'function', 'name': ...}")
+    allowed = {t["name"] for t in listed if isinstance(t.get("name"), str)}
+    return [f for f in functions if f["function"]["name"] in allowed] or None, mode == "required", None
 
 
 # -- the request ----------------------------------------------------------------------------
@@ -275,6 +288,7 @@ def _structured(state: ServerState, body: dict) -> tuple[Any, dict]:
 
 
 def responses_request(state: ServerState, body: dict) -> tuple[GenerationRequest, Options]:
+    fields.unicode_text(body)
     state.check_model(fields.string(body, "model"))
     _refuse_state(body)
     stream = fields.boolean(body, "stream")

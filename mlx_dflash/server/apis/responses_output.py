@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..http.errors import APIError
+from ..http.errors import failure
 from ..http.sse import sse_event
 from ..http.state import JobStream, ServerState, dflash_extension, usage_numbers
 from ..reply.events import ReasoningDelta, TextDelta, ToolCallItem
@@ -210,11 +210,13 @@ class OutputBuilder:
     # the end ------------------------------------------------------------------------------
     def finish(self, finished: Finished) -> list[dict]:
         """The last items and the closing event: response.completed, .incomplete (cut by max_output_tokens)
-        or .failed."""
-        if finished.finish_reason == "error":
+        or .failed (the generation failed: status failed; the server cancelled it: status cancelled), whose
+        `error` says why (its code is `server_error` either way: the Responses error codes are a fixed set)."""
+        error = failure(finished.finish_reason, finished.error)
+        if error is not None:
             events = self._close("incomplete")
-            self.response.update(status="failed", error={"code": "server_error",
-                                                         "message": f"generation failed: {finished.error}"})
+            self.response.update(status="failed" if finished.finish_reason == "error" else "cancelled",
+                                 error={"code": "server_error", "message": error.message})
             return events + [self.event("response.failed", response=self.response)]
         events = self._parts(self.parser.finish())
         if not self.response["output"] and self.current is None:  # an empty (or blank) reply is still a message
@@ -222,23 +224,22 @@ class OutputBuilder:
             blank, self.blank = self.blank, ""
             if blank:
                 events += self._text(blank)
-        cut = finished.finish_reason == "length"
-        events += self._close("incomplete" if cut else "completed")
-        status = {"length": "incomplete", "cancelled": "cancelled"}.get(finished.finish_reason, "completed")
+        status = "incomplete" if finished.finish_reason == "length" else "completed"
+        events += self._close(status)
         self.response.update(status=status, usage=_usage(self.request, finished, self.reasoning_tokens),
                              dflash=dflash_extension(self.state, finished))
-        if cut:
+        if status == "incomplete":
             self.response["incomplete_details"] = {"reason": "max_output_tokens"}
-        if status == "completed":
+        else:
             self.response["completed_at"] = int(time.time())
-        kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        return events + [self.event(kind, response=self.response)]
+        return events + [self.event(f"response.{status}", response=self.response)]
 
 
 def reply(state: ServerState, request: GenerationRequest, options: Options, steps: list[Step],
           finished: Finished) -> dict:
-    if finished.finish_reason == "error":
-        raise APIError(500, f"generation failed: {finished.error}")
+    error = failure(finished.finish_reason, finished.error)
+    if error is not None:
+        raise error
     out = OutputBuilder(state, request, options)
     for step in steps:
         out.step(step)

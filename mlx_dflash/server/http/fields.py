@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 from .errors import APIError
@@ -10,6 +11,14 @@ from .errors import APIError
 _MISSING = object()
 INT64 = (-(1 << 63), (1 << 63) - 1)
 STOP_MAX_CHARS = 1000  # the text filter holds back up to this much of a stream; no stop is that long
+# Sampling colder than this is greedy decoding (its limit), and the sampler's 1/temperature would overflow
+# float32 (inf and NaN logits: any token, one outside a grammar too) below about 1e-38.
+GREEDY_BELOW = 1e-6
+# A top-p this small keeps the most likely token alone (its probability is at least 1/vocabulary), as any
+# smaller one would, but it stays above float32's smallest numbers: a top-p that rounds to 0 there keeps
+# no token at all (garbage out, or a token outside a grammar).
+TOP_P_FLOOR = 1e-6
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
 def bad(param: str, message: str) -> APIError:
@@ -52,6 +61,17 @@ def number(body: dict, name: str, default: Any = None, low: float | None = None,
         opening = "(" if low_open else "["
         raise bad(name, f"'{name}' must be in {opening}{low}, {high}], got {value}")
     return value
+
+
+def temperature(body: dict, name: str, default: float, high: float) -> float:
+    """A sampling temperature in [0, high]; one below `GREEDY_BELOW` is 0 (greedy)."""
+    value = number(body, name, default, 0.0, high)
+    return 0.0 if value < GREEDY_BELOW else value
+
+
+def top_p(body: dict, name: str) -> float:
+    """A nucleus-sampling top-p in (0, 1] (default 1: off); one below `TOP_P_FLOOR` is that floor."""
+    return max(number(body, name, 1.0, 0.0, 1.0, low_open=True), TOP_P_FLOOR)
 
 
 def boolean(body: dict, name: str, default: bool = False) -> bool:
@@ -110,6 +130,33 @@ def top_k(body: dict, name: str, vocab_size: int) -> int:
     and any k that keeps the whole vocabulary."""
     value = integer(body, name, 0, low=-1)
     return 0 if value < 0 or value >= vocab_size else value
+
+
+def unicode_text(body: dict, brackets: bool = True) -> None:
+    """Refuse (400, naming the field) a body with a string that is not Unicode text: a lone surrogate,
+    which JSON can spell (an unpaired escape such as \\ud800) but UTF-8 cannot. Checked before anything
+    reads the body, so no tokenizer, template or reply that echoes the value meets it later.
+
+    `brackets`: name list items as `field[0]` (OpenAI) rather than `field.0` (Anthropic).
+    """
+    pending: list[tuple[Any, str]] = [(body, "")]
+    while pending:
+        value, where = pending.pop()
+        if isinstance(value, str):
+            lone = _SURROGATE.search(value)
+            if lone is not None:
+                raise bad(where, f"'{where}' is not valid Unicode text: it holds a lone surrogate "
+                          f"(an unpaired \\u{ord(lone.group()):x} escape)")
+        elif isinstance(value, dict):
+            for key, inner in reversed(list(value.items())):
+                name = key.encode("utf-8", "backslashreplace").decode("utf-8")
+                here = f"{where}.{name}" if where else name
+                if name != key:
+                    raise bad(here, f"the field name '{here}' is not valid Unicode text: it holds a lone surrogate")
+                pending.append((inner, here))
+        elif isinstance(value, list):
+            pending.extend((inner, f"{where}[{i}]" if brackets else f"{where}.{i}")
+                           for i, inner in reversed(list(enumerate(value))))
 
 
 def _show(value: Any) -> str:
