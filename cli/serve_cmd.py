@@ -47,7 +47,9 @@ def serve(
     q_bits: Annotated[int | None, typer.Option("--q-bits", min=2, max=8, help="Bits per weight when quantizing (default 4; implies --quantize).")] = None,
     log_level: Annotated[str, typer.Option("--log-level", help="uvicorn log level (info shows every request).")] = "warning",
     allow_origin: Annotated[list[str] | None, typer.Option("--allow-origin", help="Let web pages from this origin (e.g. https://app.example.com) use the server; repeatable; '*' allows every origin. Without it, requests that browsers mark as coming from another site get 403 (loopback pages are allowed).")] = None,
+    allow_host: Annotated[list[str] | None, typer.Option("--allow-host", help="Also answer requests for this host name (the Host header, e.g. box.lan; a port is ignored); repeatable; '*' answers every name. On a loopback --host (the default) only loopback names (localhost, 127.x.x.x, [::1]) are answered otherwise, so a web page that points its own name at this machine (DNS rebinding) gets 403; on another address every name is answered unless this option names some.")] = None,
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Largest request body taken; larger ones get 413.")] = 32 << 20,
+    body_timeout: Annotated[float, typer.Option("--body-timeout", min=0.1, help="Seconds a request's whole body may take to arrive; a slower one gets 408 and its connection is closed.")] = 60.0,
     max_queue: Annotated[int, typer.Option("--max-queue", min=0, help="Requests that may wait for a place among the running ones (--max-batch); more get 503 (529 on /v1/messages) with Retry-After (0: no bound).")] = 32,
     max_batch: Annotated[int, typer.Option("--max-batch", min=1, help="Requests decoded together: each cycle drafts and verifies a block for every one of them in one forward each (1: one request at a time, in arrival order). Every reply is what the request gets alone. Targets with sliding-window or recurrent layers, quantized K/V, DFlash2 drafters and drafters with a sliding window cannot be batched yet: their requests advance side by side, one cycle each in turn; so do requests with structured output, and sampled requests with a seed (a seeded sample repeats only as drawn alone). New requests also wait while the batched caches would pass --batch-bytes.")] = 8,
     batch_bytes: Annotated[int | None, typer.Option("--batch-bytes", min=1, help="Memory for the batched requests' caches, every row counted as long as the longest prompt plus max_tokens (default: half the memory the models and the prompt cache leave free).")] = None,
@@ -92,7 +94,8 @@ def serve(
     state = ServerState(engine, model_id, api_key=api_key, max_tokens_default=max_tokens_default,
                         temperature_default=temp, aliases=aliases - {model_id}, strict_model_name=strict_model_name,
                         max_tokens_cap=max_tokens_cap, max_body_bytes=max_body_bytes,
-                        allow_origins=list(allow_origin or []))
+                        allow_origins=list(allow_origin or []), allow_hosts=list(allow_host or []),
+                        body_timeout=body_timeout)
     for line in lines:
         console.print(line)
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"

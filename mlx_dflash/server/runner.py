@@ -28,6 +28,9 @@ class GracefulServer(uvicorn.Server):
 
 
 def make_server(state: ServerState, host: str, port: int, log_level: str = "warning") -> GracefulServer:
+    """The server of `state`'s app on `host`:`port`; `host` becomes `state.bind_host`, which decides
+    which `Host` names the app answers (loopback ones only on a loopback address)."""
+    state.bind_host = host
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
     return GracefulServer(config, state.engine)

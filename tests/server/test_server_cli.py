@@ -1,9 +1,11 @@
-"""The real `dflash-mlx serve` process: startup line, a request, Ctrl-C shuts it down cleanly."""
+"""The real `dflash-mlx serve` process: startup line, a request, its Host and body-time options, Ctrl-C
+shuts it down cleanly."""
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,7 +26,7 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", HOME=str(tmp_path))
     proc = subprocess.Popen([*CLI, "serve", "--model", str(target), "--draft", str(drafter), "--port", str(port),
-                             "--api-key", "k", "--max-batch", "3"],
+                             "--api-key", "k", "--max-batch", "3", "--allow-host", "box.lan", "--body-timeout", "1.5"],
                             stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -39,6 +41,15 @@ def test_serve_starts_answers_and_stops_on_ctrl_c(tmp_path):
         body = {"model": str(target), "prompt": "hello", "max_tokens": 5}
         reply = httpx.post(url + "/v1/completions", json=body, headers={"Authorization": "Bearer k"}, timeout=60)
         assert reply.json()["usage"]["completion_tokens"] >= 1
+        # --allow-host: that name is answered besides loopback ones; others are refused before any route.
+        assert httpx.get(url + "/health", headers={"Host": f"box.lan:{port}"}, timeout=5).status_code == 200
+        refused = httpx.get(url + "/health", headers={"Host": "evil.example"}, timeout=5)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "host_not_allowed"
+        # --body-timeout: a body that stops arriving gets 408 after 1.5 s.
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer k\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+            assert s.recv(1024).startswith(b"HTTP/1.1 408")
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
     finally:

@@ -5,8 +5,10 @@ replies served from the cache on every cache family, lenient model names and the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -20,6 +22,7 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_dflash.decoding import session as session_module
 from mlx_dflash.decoding.session import DecodingSession
 from mlx_dflash.server import EngineConfig
+from mlx_dflash.server.apis import openai_api
 from mlx_dflash.server.http.guard import MAX_JSON_DEPTH, json_depth
 from mlx_dflash.server.http.sse import KEEPALIVE, with_keepalive
 from mlx_dflash.server.worker.prompt_cache import PromptCache, session_bytes
@@ -103,7 +106,7 @@ def wait_cancelled(live, failure: str, timeout: float = 30) -> None:
 
 
 # -- sampling fields ----------------------------------------------------------------------
-def test_sampling_fields_the_worker_cannot_take_are_refused_or_mapped(gated):
+def test_sampling_fields_the_worker_cannot_take_are_refused_or_mapped(gated, model, tokenizer):
     live, _ = gated
     sampled = dict(CHAT, temperature=1.0, max_tokens=6)
     texts = []
@@ -111,13 +114,28 @@ def test_sampling_fields_the_worker_cannot_take_are_refused_or_mapped(gated):
         reply = post(live, "/v1/chat/completions", dict(sampled, seed=seed))
         assert reply.status_code == 200, reply.text
         texts.append(reply.json()["choices"][0]["message"]["content"])
-    assert texts[0] == texts[1]
-    for body in (dict(CHAT, top_k=100000), dict(sampled, top_k=100000, seed=3), dict(CHAT, top_k=-1)):
-        assert post(live, "/v1/chat/completions", body).status_code == 200  # >= vocab: no top-k, as -1
-    assert post(live, "/v1/messages", dict(MESSAGE, top_k=100000)).status_code == 200
+    assert texts[0] == texts[1] and texts[0]
+
+    def content(route: str, body: dict) -> str:
+        reply = post(live, route, body)
+        assert reply.status_code == 200, (body, reply.text)
+        if route == "/v1/messages":
+            return "".join(block["text"] for block in reply.json()["content"])
+        return reply.json()["choices"][0]["message"]["content"]
+
+    # top_k >= the vocabulary (or -1) is no top-k: a greedy reply is the target's own, a sampled one as without it.
+    greedy = reference_text(model, tokenizer, prompt_of(tokenizer, CHAT["messages"]), CHAT["max_tokens"])
+    assert greedy
+    for body in (dict(CHAT, top_k=100000), dict(CHAT, top_k=-1)):
+        assert content("/v1/chat/completions", body) == greedy, body
+    assert content("/v1/messages", dict(MESSAGE, top_k=100000)) == greedy
+    assert content("/v1/chat/completions", dict(sampled, top_k=100000, seed=3)) == \
+        content("/v1/chat/completions", dict(sampled, seed=3))
     reply = post(live, "/v1/completions", {"model": MODEL_ID, "prompt": [5] * 4090, "max_tokens": 10 ** 18,
                                            "seed": -(1 << 63), "temperature": 0.5})
-    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 6  # cut to the context
+    choice = reply.json()["choices"][0]
+    assert reply.status_code == 200 and choice["finish_reason"] == "length" and choice["text"]
+    assert reply.json()["usage"]["completion_tokens"] == 6  # cut to the context: 4096 - 4090
     refused = [
         ("/v1/chat/completions", dict(CHAT, seed=1 << 63), "seed"),
         ("/v1/chat/completions", dict(CHAT, seed=(1 << 64) - 5), "seed"),
@@ -166,6 +184,18 @@ def test_json_depth_is_read_without_recursion_and_ignores_brackets_in_strings():
     assert json_depth(b'{"a": [1, {"b": "[[[{{{"}]}') == 3
     assert json_depth(b'"\\"[[[" ') == 0
     assert json_depth(b"[" * 100_000 + b"]" * 100_000) == 100_000
+    assert json_depth(b'["\\\\", [["\\\\\\"]"]]]') == 3  # runs of backslashes: even ones end the string
+
+
+@pytest.mark.parametrize("unit", [b'\\"', b'\\\\', b'"[', b"[", b'\\\\\\"{'])
+def test_json_depth_takes_time_linear_in_the_body(unit):
+    """Unterminated strings of escaped quotes made a regex that retried from every quote take
+    quadratic time (32 KB: 3 s, 1 MB: about an hour); every body scans in well under a second."""
+    for size in (1 << 16, 1 << 21):  # the small one first: a quadratic scan fails it in seconds, not hours
+        body = b'{"model": "' + unit * (size // len(unit))
+        start = time.monotonic()
+        json_depth(body)
+        assert time.monotonic() - start < 2, (unit, size)
 
 
 def test_deep_large_and_mistyped_bodies(model, tokenizer):
@@ -208,7 +238,7 @@ def test_cross_site_requests_are_refused_unless_allowed(model, tokenizer):
     evil = {"Origin": "https://evil.example", **JSON}
     with LiveServer(model, tokenizer) as live:
         reply = post(live, "/v1/chat/completions", CHAT, headers=evil)
-        assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error"
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "origin_not_allowed"
         reply = post(live, "/v1/messages", MESSAGE, headers=evil)
         assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error"
         assert httpx.get(live.url + "/health", headers=evil).status_code == 403
@@ -233,6 +263,26 @@ def test_cross_site_requests_are_refused_unless_allowed(model, tokenizer):
             == 403
     with LiveServer(model, tokenizer, allow_origins=["*"]) as live:
         assert post(live, "/v1/chat/completions", CHAT, headers=evil).status_code == 200
+
+
+def test_a_page_rebinding_its_name_to_loopback_is_refused(model, tokenizer):
+    """DNS rebinding: a page at evil.example:8080 whose name then resolves to 127.0.0.1 is same-origin
+    to the browser (Origin and Host both name evil.example:8080); the server answers loopback names only."""
+    rebound = {"Origin": "http://evil.example:8080", "Host": "evil.example:8080", **JSON}
+    with LiveServer(model, tokenizer) as live:
+        reply = post(live, "/v1/chat/completions", CHAT, headers=rebound)
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "host_not_allowed", reply.text
+        reply = post(live, "/v1/messages", MESSAGE, headers=rebound)
+        assert reply.status_code == 403 and reply.json()["error"]["type"] == "permission_error", reply.text
+        assert httpx.get(live.url + "/health", headers=rebound).status_code == 403
+        assert httpx.get(live.url + "/v1/models", headers={"Host": "evil.example:8080"}).status_code == 403
+        for host in ("localhost", f"localhost:{live.port}", f"127.0.0.1:{live.port}", "[::1]", f"[::1]:{live.port}"):
+            reply = post(live, "/v1/chat/completions", CHAT, headers={"Host": host, "Origin": f"http://{host}", **JSON})
+            assert reply.status_code == 200 and reply.json()["choices"][0]["message"]["content"], host
+    with LiveServer(model, tokenizer, allow_hosts=["evil.example"]) as live:  # the user named it: served
+        assert post(live, "/v1/chat/completions", CHAT, headers=rebound).status_code == 200
+        reply = post(live, "/v1/chat/completions", CHAT, headers={**rebound, "Host": "other.example"})
+        assert reply.status_code == 403 and reply.json()["error"]["code"] == "host_not_allowed"
 
 
 # -- the queue -------------------------------------------------------------------------------
@@ -266,8 +316,6 @@ def test_a_full_queue_answers_503_or_529_with_retry_after(model, tokenizer):
 
 # -- keep-alives -------------------------------------------------------------------------------
 def test_with_keepalive_comments_while_the_source_is_quiet():
-    import asyncio
-
     async def slow():
         yield "data: 1\n\n"
         await asyncio.sleep(0.35)
@@ -365,6 +413,97 @@ def test_a_stream_dropped_during_the_prefill_is_noticed_at_a_keepalive(gated, mo
         target.gate.set()
     assert live.wait_idle()
     assert target.fed == [32, 32]
+
+
+@contextlib.contextmanager
+def raw_post(live, route: str, body: dict):
+    """A POST of `body` on a plain socket, which the block closes without reading a byte of the reply."""
+    data = json.dumps(body).encode()
+    head = (f"POST {route} HTTP/1.1\r\nHost: 127.0.0.1:{live.port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", live.port), timeout=30) as s:
+        s.sendall(head.encode() + data)
+        yield s
+
+
+def wait_until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_a_client_gone_while_its_prompt_is_rendered_is_never_run(gated, monkeypatch):
+    live, target = gated
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 32)
+    live.engine.prompt_cache.clear()
+    target.reset()
+    render, entered, release = live.state.render, threading.Event(), threading.Event()
+
+    def held_render(*args, **kwargs):
+        entered.set()
+        release.wait(10)  # bounded: a render on the event loop would hold the server that long
+        return render(*args, **kwargs)
+
+    monkeypatch.setattr(live.state, "render", held_render)
+    submit, submitted = live.engine.submit, []
+    monkeypatch.setattr(live.engine, "submit", lambda *args: submitted.append(args) or submit(*args))
+    body = dict(CHAT, messages=[{"role": "user", "content": "x" * 300}], max_tokens=8, stream=True)
+    try:
+        with raw_post(live, "/v1/chat/completions", body):
+            assert entered.wait(30)
+        # The server sees the hang-up while the prompt renders (unless a render blocks its event loop).
+        wait_until(lambda: not live.server.server_state.connections, 5)
+    finally:
+        release.set()
+    assert wait_until(lambda: not live.server.server_state.tasks, 30), "the request never ended"
+    assert live.wait_idle()
+    assert submitted == [] and target.fed == []  # never submitted: not one prefill chunk ran
+
+
+def test_a_stream_dropped_before_its_first_event_stops_its_prefill_at_the_next_chunk(gated, monkeypatch):
+    live, target = gated
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 32)
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=1)
+    prompt = [4 + (i * 5) % 90 for i in range(300)]  # ten chunks
+    body = {"model": MODEL_ID, "prompt": prompt, "max_tokens": 8, "stream": True}  # no event before a token
+    try:
+        with raw_post(live, "/v1/completions", body):
+            assert target.holding.wait(30)  # the first prefill chunk runs; the client hangs up
+        wait_cancelled(live, "the hang-up never cancelled the request")
+    finally:
+        target.gate.set()
+    assert live.wait_idle()
+    assert target.fed == [32]
+
+
+def test_a_stream_ended_before_its_events_begin_still_cancels_its_job(gated, monkeypatch):
+    """The response, not only the event generator, cancels the job: a client gone before the stream's
+    generator reached the job (here: held before it starts) leaves no job running unread."""
+    live, target = gated
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 32)
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=1)
+    stream = openai_api.stream
+
+    async def late(*args):
+        await asyncio.sleep(60)  # cancelled when the client goes: the job's own events never start
+        async for event in stream(*args):
+            yield event
+
+    monkeypatch.setattr(openai_api, "stream", late)
+    body = {"model": MODEL_ID, "prompt": [4 + (i * 3) % 90 for i in range(300)], "max_tokens": 8, "stream": True}
+    try:
+        with raw_post(live, "/v1/completions", body):
+            assert target.holding.wait(30)
+        wait_cancelled(live, "the ended response never cancelled its job", timeout=10)
+    finally:
+        target.gate.set()
+    assert live.wait_idle()
+    assert target.fed == [32]
 
 
 # -- failed requests and regenerated replies keep the cache -------------------------------------------
@@ -494,10 +633,17 @@ def test_a_reply_cut_by_the_context_window_says_so_on_messages(gated, tokenizer)
 
 
 def test_max_tokens_is_capped_not_refused(model, tokenizer):
+    expected = reference_text(model, tokenizer, prompt_of(tokenizer, CHAT["messages"]), 3)
+    assert len(expected) == 3  # one character a token, none the end of sequence: the cap ends the reply
     with LiveServer(model, tokenizer, max_tokens_cap=3) as live:
         reply = post(live, "/v1/messages", dict(MESSAGE, max_tokens=32000))
-        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] <= 3
+        assert reply.status_code == 200 and reply.json()["usage"]["output_tokens"] == 3
+        assert reply.json()["content"][0]["text"] == expected and reply.json()["stop_reason"] == "max_tokens"
         reply = post(live, "/v1/chat/completions", dict(CHAT, max_tokens=32000))
-        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] <= 3
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 3
+        assert reply.json()["choices"][0]["message"]["content"] == expected
     with LiveServer(model, tokenizer) as live:  # without a cap: the context window bounds it
-        assert post(live, "/v1/messages", dict(MESSAGE, max_tokens=32000)).status_code == 200
+        reply = post(live, "/v1/messages", dict(MESSAGE, max_tokens=32000))
+        assert reply.status_code == 200 and reply.json()["stop_reason"] == "end_turn"
+        assert reply.json()["content"][0]["text"] == reference_text(model, tokenizer,
+                                                                    prompt_of(tokenizer, MESSAGE["messages"]), 8)

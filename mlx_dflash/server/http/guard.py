@@ -1,20 +1,28 @@
-"""What a request must pass before a route reads it: its origin, its media type, its size, its nesting.
+"""What a request must pass before a route reads it: the name it was sent to, its origin, its media
+type, its size, the time its body takes, its nesting.
 
 A browser lets any web page send a POST to 127.0.0.1; only the `Origin` header tells such a
 request from a client's. So a request from another site's page is refused (403) unless the
 server was told to allow that origin, and a body must be `application/json`, which no page
 can send cross-site without a preflight this server answers for allowed origins only.
+A page can also point its own name at 127.0.0.1 (DNS rebinding): the browser then deems the
+page's requests same-origin, but they name that foreign host in `Host`. So a server bound to a
+loopback address answers loopback names only, and those allowed with --allow-host.
+
+Every check is linear in the request's size and the JSON parse runs off the event loop, so no
+body stalls the other requests.
 """
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 import json
-import re
 from collections.abc import Iterable
 from urllib.parse import urlsplit
 
 import numpy as np
+from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,10 +32,14 @@ from .errors import APIError
 
 MAX_JSON_DEPTH = 64  # agents' bodies (tool schemas included) nest a dozen levels at most
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # agents send a few hundred KB
+DEFAULT_BODY_TIMEOUT = 60.0  # seconds for a whole body: a few MB on a slow link, not a held connection
 ALLOW_ALL = "*"
-_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
-_OPENS = np.frombuffer(b"[{", dtype=np.uint8)
+_QUOTE, _BACKSLASH = ord('"'), ord("\\")
+_STEPS = np.zeros(256, dtype=np.int8)  # a byte's change to the nesting depth
+_STEPS[list(b"[{")] = 1
+_STEPS[list(b"]}")] = -1
+_SCAN_BLOCK = 1 << 20  # bytes scanned at a time: the scan's memory is bounded by a block's, whatever the body
+_NOT_IN_HOST = frozenset("@/\\?# \t")
 
 
 def anthropic_route(path: str) -> bool:
@@ -41,52 +53,87 @@ def error_json(path: str, error: APIError) -> JSONResponse:
     return JSONResponse(error.openai_body(), status_code=error.status, headers=error.headers)
 
 
-# -- origins --------------------------------------------------------------------------------
+# -- hosts and origins ------------------------------------------------------------------------
 def _normal_origin(origin: str) -> str:
     return origin.strip().rstrip("/").lower()
 
 
-def _loopback(origin: str) -> bool:
+def host_name(authority: str) -> str | None:
+    """The host of a `Host` header (or an origin's authority): lowercased, without port, brackets or
+    a final dot; None when it is not a plain `host[:port]`."""
+    if not authority or not _NOT_IN_HOST.isdisjoint(authority):
+        return None
     try:
-        host = urlsplit(origin).hostname
+        parts = urlsplit("//" + authority)
+        name, _ = parts.hostname, parts.port  # `port` refuses a port that is not a number
     except ValueError:
-        return False
-    if host is None:
-        return False
-    if host == "localhost" or host.endswith(".localhost"):
+        return None
+    name = (name or "").rstrip(".")
+    return name or None
+
+
+def loopback_name(name: str) -> bool:
+    """Whether `name` (a host name or address, as `host_name` gives it) can only mean this machine."""
+    if name == "localhost" or name.endswith(".localhost"):
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(name.strip("[]")).is_loopback
     except ValueError:
         return False
 
 
 class OriginGuard:
-    """ASGI middleware: refuses requests from origins other than the server's own, loopback
-    pages' and the allowed ones (403), answers CORS preflights for allowed origins, and puts
-    the CORS headers on their responses."""
+    """ASGI middleware, before any route: refuses a request for a host name this server does not
+    answer (403, against DNS rebinding), and one from a web page of an origin not allowed (403);
+    answers CORS preflights for allowed origins and puts the CORS headers on their responses.
 
-    def __init__(self, app: ASGIApp, allowed: Iterable[str] = ()):
+    `loopback`: the server is bound to a loopback address, so only loopback names and `hosts` are
+    answered; otherwise any name is, unless `hosts` names some. `hosts` may be '*' (any name).
+    An origin is allowed when loopback, listed in `allowed` (or `allowed` has '*'), or on a host
+    named in `hosts`: a page on a name the server answers to is its own site.
+    """
+
+    def __init__(self, app: ASGIApp, allowed: Iterable[str] = (), hosts: Iterable[str] = (), loopback: bool = False):
         self.app = app
         self.allowed = {_normal_origin(o) for o in allowed}
+        hosts = [h.strip().lower() for h in hosts]
+        self.hosts = {host_name(h) for h in hosts if h != ALLOW_ALL} - {None}  # a port given is not checked
+        self.check_host = ALLOW_ALL not in hosts and (loopback or bool(self.hosts))
 
-    def allows(self, origin: str, scope: Scope, headers: Headers) -> bool:
+    def _served(self, name: str | None) -> bool:
+        return name is not None and (loopback_name(name) or name in self.hosts)
+
+    def allows_host(self, host: str | None) -> bool:
+        """Whether a request with this `Host` header (None: none, as HTTP/1.0 may send) is served."""
+        return not self.check_host or host is None or self._served(host_name(host.strip().lower()))
+
+    def allows(self, origin: str) -> bool:
         origin = _normal_origin(origin)
-        if ALLOW_ALL in self.allowed or origin in self.allowed or _loopback(origin):
+        if ALLOW_ALL in self.allowed or origin in self.allowed:
             return True
-        host = headers.get("host")
-        return host is not None and origin == f"{scope.get('scheme', 'http')}://{host}".lower()
+        try:
+            authority = urlsplit(origin).netloc
+        except ValueError:
+            return False
+        return self._served(host_name(authority))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
+        host = headers.get("host")
+        if not self.allows_host(host):
+            error = APIError(403, f"requests for host '{(host or '')[:200]}' are not allowed: a server bound to a "
+                             "loopback address answers loopback names only; start it with --allow-host NAME to "
+                             "answer that name too", code="host_not_allowed")
+            await error_json(scope["path"], error)(scope, receive, send)
+            return
         origin = headers.get("origin")
         if origin is None:  # not from a browser page (or a same-origin GET): nothing to check
             await self.app(scope, receive, send)
             return
-        if not self.allows(origin, scope, headers):
+        if not self.allows(origin):
             error = APIError(403, f"requests from origin '{origin[:200]}' are not allowed; start the server "
                              "with --allow-origin ORIGIN to allow a web page there to use it",
                              code="origin_not_allowed")
@@ -118,13 +165,56 @@ def _json_media_type(content_type: str | None) -> bool:
     return content_type is not None and content_type.split(";", 1)[0].strip().lower() == "application/json"
 
 
+def _as_utf8(raw: bytes) -> bytes:
+    """`raw` in UTF-8, as `json.loads` reads it: UTF-16 and UTF-32 bodies hold quote and bracket bytes
+    inside other characters, so they are scanned re-encoded (b"" when they cannot be decoded: then
+    `json.loads` refuses them before parsing anything)."""
+    encoding = json.detect_encoding(raw)
+    if encoding in ("utf-8", "utf-8-sig"):  # UTF-8 multi-byte characters hold no ASCII bytes
+        return raw
+    try:
+        return raw.decode(encoding, "surrogatepass").encode("utf-8", "surrogatepass")
+    except UnicodeError:
+        return b""
+
+
+def _string_quotes(block: np.ndarray, odd_run: bool) -> tuple[np.ndarray, bool]:
+    """Where `block`'s unescaped quotes are, and whether it ends in an odd run of backslashes. A quote
+    is escaped by an odd run of backslashes before it; `odd_run`: the block follows one."""
+    index = np.arange(block.size, dtype=np.int32)
+    last_other = np.maximum.accumulate(np.where(block == _BACKSLASH, -1, index))  # the last non-backslash so far
+    quotes = np.flatnonzero(block == _QUOTE)
+    before = np.maximum(quotes - 1, 0)
+    run = np.where(quotes > 0, before - last_other[before], 0)  # the backslashes right before each quote
+    from_start = (quotes == 0) | (last_other[before] < 0)  # that run began in an earlier block
+    escaped = (run % 2 == 1) ^ (from_start & odd_run)
+    tail = block.size - 1 - int(last_other[-1])  # the backslashes ending the block
+    return quotes[~escaped], (tail % 2 == 1) ^ (odd_run and tail == block.size)
+
+
 def json_depth(raw: bytes) -> int:
-    """How deeply `raw`'s arrays and objects nest, read without parsing (no recursion): brackets
-    inside strings are dropped, the rest counted up and down."""
-    brackets = np.frombuffer(_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS), dtype=np.uint8)
-    if brackets.size == 0:
-        return 0
-    return int(np.cumsum(np.where(np.isin(brackets, _OPENS), 1, -1)).max())
+    """How deeply `raw`'s arrays and objects nest, read without parsing (no recursion), in time linear
+    in its size: brackets inside strings are dropped, the rest counted up and down.
+
+    The unescaped quotes delimit the strings. On valid JSON this is the exact depth; on invalid JSON
+    it can differ only after the first error, where the parser stops, so it never counts less than the
+    parser would reach. Scanned a block at a time with numpy, carrying the string, the backslash run
+    and the depth from one block to the next."""
+    data = np.frombuffer(_as_utf8(raw), dtype=np.uint8)
+    in_string, odd_run, depth, deepest = 0, False, 0, 0
+    for lo in range(0, data.size, _SCAN_BLOCK):
+        block = data[lo : lo + _SCAN_BLOCK]
+        quotes, odd_run_after = _string_quotes(block, odd_run)
+        toggles = np.zeros(block.size, dtype=np.uint8)
+        toggles[quotes] = 1
+        inside = np.bitwise_xor.accumulate(toggles) ^ in_string  # 1 from an opening quote to its closing one
+        steps = _STEPS[block]
+        steps = steps[(steps != 0) & (inside == 0)]
+        if steps.size:
+            levels = np.cumsum(steps, dtype=np.int64) + depth
+            deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+        in_string, odd_run = int(inside[-1]), odd_run_after
+    return deepest
 
 
 def _no_constants(name: str) -> None:
@@ -144,11 +234,7 @@ def parse_json_object(raw: bytes) -> dict:
     return body
 
 
-async def read_json_body(request: Request, max_bytes: int) -> dict:
-    """The body of a POST: `application/json`, at most `max_bytes` (refused before it is all read)."""
-    if not _json_media_type(request.headers.get("content-type")):
-        raise APIError(415, "the request body must be JSON, sent with 'Content-Type: application/json'",
-                       code="unsupported_media_type")
+async def _read_all(request: Request, max_bytes: int) -> bytes:
     too_large = APIError(413, f"the request body is larger than this server takes ({max_bytes} bytes; "
                          "see --max-body-bytes)", code="request_too_large")
     declared = request.headers.get("content-length")
@@ -160,4 +246,19 @@ async def read_json_body(request: Request, max_bytes: int) -> dict:
         if size > max_bytes:
             raise too_large
         chunks.append(chunk)
-    return parse_json_object(b"".join(chunks))
+    return b"".join(chunks)
+
+
+async def read_json_body(request: Request, max_bytes: int, timeout: float = DEFAULT_BODY_TIMEOUT) -> dict:
+    """The body of a POST: `application/json`, at most `max_bytes` (refused before it is all read), all
+    of it within `timeout` seconds (else 408: a client sending slowly cannot hold a connection), parsed
+    in a worker thread so the event loop keeps serving the other requests."""
+    if not _json_media_type(request.headers.get("content-type")):
+        raise APIError(415, "the request body must be JSON, sent with 'Content-Type: application/json'",
+                       code="unsupported_media_type")
+    try:
+        raw = await asyncio.wait_for(_read_all(request, max_bytes), timeout)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout:g} seconds (see --body-timeout)",
+                       code="request_timeout", headers={"Connection": "close"}) from None
+    return await run_in_threadpool(parse_json_object, raw)

@@ -12,7 +12,7 @@ from typing import Any
 from ..worker.engine import Engine, QueueFull
 from ..worker.jobs import Finished, GenerationRequest, Job, Step
 from .errors import APIError
-from .guard import DEFAULT_MAX_BODY_BYTES
+from .guard import DEFAULT_BODY_TIMEOUT, DEFAULT_MAX_BODY_BYTES
 from .sse import KEEPALIVE_SECONDS
 
 logger = logging.getLogger("mlx_dflash")
@@ -32,6 +32,11 @@ class ServerState:
     max_tokens_cap: int | None = None  # replies longer than this are cut to it (None: the context window)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     allow_origins: list[str] = field(default_factory=list)  # web page origins allowed besides loopback ("*": all)
+    allow_hosts: list[str] = field(default_factory=list)  # Host names answered besides loopback ones ("*": all)
+    # The address listened on (make_server sets it): a loopback one answers loopback Host names only;
+    # None (an app not served on a socket, as in tests): Host names are checked only against allow_hosts.
+    bind_host: str | None = None
+    body_timeout: float = DEFAULT_BODY_TIMEOUT  # seconds a request's whole body may take to arrive (then 408)
     keepalive_seconds: float = KEEPALIVE_SECONDS  # a quiet stream gets an SSE comment this often
     _renders_tools: bool | None = field(default=None, init=False, repr=False)  # known after the first tools request
 
