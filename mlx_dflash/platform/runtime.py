@@ -87,6 +87,20 @@ def default_batch_bytes(prompt_cache_bytes: int, *models: Any) -> int:
 
 
 @contextmanager
+def buffer_cache_limit(limit: int) -> Iterator[None]:
+    """Keep at most `limit` bytes of freed buffers for reuse while inside, then restore the old limit.
+
+    MLX keeps every freed buffer by default (up to its memory limit): a server whose requests come
+    and go would hold memory no budget counts. A small cache still serves a cycle's recurring shapes.
+    """
+    old = mx.set_cache_limit(limit)
+    try:
+        yield
+    finally:
+        mx.set_cache_limit(old)
+
+
+@contextmanager
 def wired_limit(models: Iterable[Any]) -> Iterator[None]:
     """Wire the device's recommended working set while decoding (what mlx-lm does), then restore.
 

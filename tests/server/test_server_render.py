@@ -52,3 +52,21 @@ def test_a_template_that_renders_tools_is_not_warned_about(caplog):
     assert "".join(map(chr, ids)).startswith("tools:get_weather")
     assert not [r for r in caplog.records if "does not render tools" in r.getMessage()]
     assert tokenizer.calls == 3
+
+
+class ToolsOnlyTokenizer(TemplateTokenizer):
+    """A template that fails without tools (it indexes them): the probe for dropped tools must not
+    turn that into a failed request."""
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **options):
+        if not tools:
+            raise IndexError("list object has no element 0")
+        return super().apply_chat_template(messages, tools, add_generation_prompt, **options)
+
+
+def test_a_template_that_needs_its_tools_renders_them_without_a_warning(caplog):
+    state = state_for(ToolsOnlyTokenizer(with_tools=True))
+    with caplog.at_level(logging.WARNING, logger="mlx_dflash"):
+        ids = state.render(MESSAGES, TOOLS)
+    assert "".join(map(chr, ids)).startswith("tools:get_weather")
+    assert state._renders_tools is True and not caplog.records

@@ -22,7 +22,7 @@ from mlx_dflash.proposers.base import DFLASH
 from mlx_dflash.proposers.factory import make_proposer
 from mlx_dflash.server import Engine, EngineConfig
 from mlx_dflash.server.worker import scheduler as scheduler_module
-from mlx_dflash.server.worker.jobs import GenerationRequest
+from mlx_dflash.server.worker.jobs import Finished, GenerationRequest
 from mlx_dflash.server.worker.prompt_cache import PromptCache
 from mlx_dflash.targets.model import TargetModel
 
@@ -213,3 +213,30 @@ def test_a_failure_between_prefill_chunks_is_not_the_prefilled_requests(pair, mo
     assert failed.is_set()
     assert replies[1].finished.finish_reason == "length" and replies[1].tokens == expected(target, requests[1])
     assert replies[0].finished.finish_reason == "error" and "between chunks" in replies[0].finished.error
+
+
+def test_freed_buffers_kept_for_reuse_are_bounded_while_serving(pair):
+    """MLX keeps every freed buffer by default: a server whose requests come and go would hold
+    memory that no budget counts, so the worker bounds that cache while it serves."""
+    target, tokenizer, drafter = pair
+    engine = Engine(target, tokenizer, drafter, EngineConfig(batch_bytes=256 << 20))
+    assert engine.buffer_cache_bytes == 64 << 20  # an eighth of the batch's budget, at least 64 MiB
+    engine = Engine(target, tokenizer, drafter, EngineConfig(buffer_cache_bytes=3 << 20))
+    seen, done = [], threading.Event()
+
+    def emit(item):
+        if not seen:  # on the worker thread, while it serves: read the limit (setting it back at once)
+            seen.append(mx.set_cache_limit(1 << 20))
+            mx.set_cache_limit(seen[0])
+        if isinstance(item, Finished):
+            done.set()
+
+    outside = mx.set_cache_limit(5 << 30)
+    try:
+        engine.submit(GenerationRequest(prompts(15, (6,))[0], 4), emit)
+        engine.start()
+        assert done.wait(60)
+    finally:
+        engine.stop()
+        after = mx.set_cache_limit(outside)
+    assert seen == [3 << 20] and after == 5 << 30  # bounded while serving, restored after

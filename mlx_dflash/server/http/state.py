@@ -60,8 +60,11 @@ class ServerState:
         except Exception as e:  # a template rejecting the conversation (roles, order) is the request's fault
             raise APIError(400, f"the chat template cannot render these messages: {e}", param="messages") from None
         if tools and self._renders_tools is None:
-            self._renders_tools = ids != self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, **(options or {}))
+            try:
+                without = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **(options or {}))
+            except Exception:  # noqa: BLE001 - a template that needs its tools: it renders them
+                without = None
+            self._renders_tools = ids != without
             if not self._renders_tools:  # agents send tools to any model: say once why it never calls them
                 logger.warning("this model's chat template does not render tools: requests' tool definitions "
                                "are not shown to the model, so it cannot call them")

@@ -19,7 +19,13 @@ from ...auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
 from ...batching.batch import batch_footprint
 from ...decoding.session import DecodingSession
 from ...decoding.stats import GenerationStats
-from ...platform.runtime import default_batch_bytes, default_prompt_cache_bytes, settle, wired_limit
+from ...platform.runtime import (
+    buffer_cache_limit,
+    default_batch_bytes,
+    default_prompt_cache_bytes,
+    settle,
+    wired_limit,
+)
 from ...proposers.factory import check_block_size, make_lookup, make_proposer
 from ...targets.model import TargetModel
 from .jobs import Finished, GenerationRequest, Job, Step
@@ -36,6 +42,10 @@ class EngineConfig:
     max_queue: int = 32  # requests waiting behind the running ones before new ones are refused (0: no bound)
     max_batch: int = 8  # requests decoded together (1: one at a time)
     batch_bytes: int | None = None  # memory for the batched caches (None: `runtime.default_batch_bytes`)
+    buffer_cache_bytes: int | None = None  # freed MLX buffers kept for reuse (None: an eighth of batch_bytes)
+
+
+BUFFER_CACHE_MIN = 64 << 20  # a cycle's activations of a small model, reused without a new allocation
 
 
 class QueueFull(Exception):
@@ -70,6 +80,9 @@ class Engine:
         self.batch_bytes = self.config.batch_bytes
         if self.batch_bytes is None:
             self.batch_bytes = default_batch_bytes(cache_bytes, self.target.model, drafter)
+        self.buffer_cache_bytes = self.config.buffer_cache_bytes
+        if self.buffer_cache_bytes is None:
+            self.buffer_cache_bytes = max(self.batch_bytes // 8, BUFFER_CACHE_MIN)
         # The worker thread decodes: nothing it reads may hold a graph built on this thread.
         settle(self.target.model, drafter)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -147,5 +160,5 @@ class Engine:
     # -- the worker ----------------------------------------------------------------------
     def _work(self) -> None:
         self._scheduler = Scheduler(self, self._jobs)
-        with wired_limit([self.target.model, self.drafter]):
+        with wired_limit([self.target.model, self.drafter]), buffer_cache_limit(self.buffer_cache_bytes):
             self._scheduler.serve()
