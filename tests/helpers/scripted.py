@@ -83,3 +83,17 @@ TEMPLATE = (
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+# A Qwen3-like chat template's turns (tools listed, earlier thinking and calls rendered, tool results);
+# a test adds its own generation prompt.
+QWEN_LIKE_TURNS = (
+    "{%- if tools %}<s>tools:{% for t in tools %}{{ t.function.name }};{% endfor %}</s>{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}<a>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
+    "{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}</s>"
+    "{%- elif m.role == 'tool' %}<t>{{ m.content }}</s>"
+    "{%- else %}<{{ m.role[0] }}>{{ m.content }}</s>{% endif %}"
+    "{%- endfor %}"
+)

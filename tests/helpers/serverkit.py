@@ -7,10 +7,12 @@ import threading
 import time
 
 import anthropic
+import httpx
+import mlx.core as mx
 import openai
 
 import mlx_dflash
-from helpers.tiny import save_target, tiny_drafter, tiny_target
+from helpers.tiny import EOS_ID, save_target, tiny_drafter, tiny_target
 from mlx_dflash.server import Engine, EngineConfig
 from mlx_dflash.server.http.state import ServerState
 from mlx_dflash.server.runner import make_server
@@ -72,3 +74,28 @@ class LiveServer:
                 return True
             time.sleep(0.02)
         return False
+
+
+def endless_pair(tokenizer) -> tuple:
+    """(target, tokenizer, drafter): the tiny target (seed 0) with its end-of-sequence row zeroed, so
+    greedy replies never stop on their own."""
+    model = tiny_target("qwen3", seed=0)
+    weight = model.model.embed_tokens.weight
+    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
+    mx.eval(model.parameters())
+    return model, tokenizer, tiny_drafter(model, block_size=8)
+
+
+def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
+    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
+    what Ctrl-C and shutdown call)."""
+    box: dict = {}
+    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not live.engine.busy:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.01)
+    live.engine.cancel_all()
+    thread.join(60)
+    return box["r"]

@@ -10,6 +10,8 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_map
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from mlx_lm.tokenizer_utils import load as load_tokenizer
 from mlx_lm.utils import _get_classes
 
 from mlx_dflash import stream_generate
@@ -113,6 +115,12 @@ def write_tokenizer(path: Path, vocab: int = VOCAB) -> None:
         "{% if add_generation_prompt %}<a>{% endif %}"
     )
     fast.save_pretrained(str(path))
+
+
+def tiny_tokenizer(path: Path) -> TokenizerWrapper:
+    """`write_tokenizer`'s tokenizer written under `path` and loaded as mlx-lm loads one."""
+    write_tokenizer(path)
+    return load_tokenizer(path, eos_token_ids=[EOS_ID])
 
 
 def save_target(model: nn.Module, model_type: str, path: Path, num_layers: int = 4) -> Path:

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 from types import SimpleNamespace
 
 import httpx
-import mlx.core as mx
 import pytest
-from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, tiny_pair
-from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
+from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, cancelled_by_the_server, endless_pair, tiny_pair
+from helpers.tiny import EOS_ID, greedy_reference
 
 from mlx_dflash.server.apis import anthropic_api
 from mlx_dflash.server.http.state import ServerState
@@ -36,27 +33,7 @@ def client(server):
 @pytest.fixture(scope="module")
 def endless(pair):
     """The tiny target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
-    _, tokenizer, _ = pair
-    model = tiny_target("qwen3", seed=0)
-    weight = model.model.embed_tokens.weight
-    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
-    mx.eval(model.parameters())
-    return model, tokenizer, tiny_drafter(model, block_size=8)
-
-
-def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
-    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
-    what Ctrl-C and shutdown call)."""
-    box: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not live.engine.busy:
-        assert time.monotonic() < deadline, "the request never started decoding"
-        time.sleep(0.01)
-    live.engine.cancel_all()
-    thread.join(60)
-    return box["r"]
+    return endless_pair(pair[1])
 
 
 def expected_reply(pair, messages: list[dict], n: int) -> tuple[str, int, int]:

@@ -7,8 +7,7 @@ import openai
 import pytest
 from helpers.families import build
 from helpers.serverkit import MODEL_ID, LiveServer
-from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, write_tokenizer
-from mlx_lm.tokenizer_utils import load as load_tokenizer
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_tokenizer
 
 from mlx_dflash.decoding.session import DecodingSession
 from mlx_dflash.server.worker.prompt_cache import PromptCache, session_bytes
@@ -31,9 +30,7 @@ class CountingTarget(TargetModel):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(path)
-    return load_tokenizer(path, eos_token_ids=[EOS_ID])
+    return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def prefilled(fed: list[int], family: str) -> int:

@@ -17,6 +17,7 @@ import json
 import math
 
 import pytest
+from helpers.scripted import QWEN_LIKE_TURNS
 from helpers.serverkit import MODEL_ID
 from helpers.tiny import EOS_ID, greedy_reference, save_target, tiny_drafter, tiny_target
 from hypothesis import HealthCheck, example, given, settings
@@ -32,15 +33,7 @@ CAP = 3  # tokens a reply may have: valid bodies generate little
 EXAMPLES = 150  # bodies per route, besides the FOUND ones
 # Tools listed, earlier reasoning and calls rendered, a thinking switch that opens a span: the reply
 # parser reads thinking and <tool_call> JSON, and a forced call compiles a grammar of that markup.
-TEMPLATE = (
-    "{%- if tools %}<s>tools:{% for t in tools %}{{ t.function.name }};{% endfor %}</s>{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<a>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
-    "{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}</s>"
-    "{%- elif m.role == 'tool' %}<t>{{ m.content }}</s>"
-    "{%- else %}<{{ m.role[0] }}>{{ m.content }}</s>{% endif %}"
-    "{%- endfor %}"
+TEMPLATE = QWEN_LIKE_TURNS + (
     "{%- if add_generation_prompt %}<a>{% if enable_thinking is defined and enable_thinking %}<think>{% endif %}"
     "{% endif %}"
 )

@@ -15,8 +15,7 @@ import time
 import httpx
 import pytest
 from helpers.serverkit import LiveServer
-from helpers.tiny import EOS_ID, tiny_target, write_tokenizer
-from mlx_lm.tokenizer_utils import load as load_tokenizer
+from helpers.tiny import tiny_target, tiny_tokenizer
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.responses import JSONResponse
@@ -33,9 +32,7 @@ REBINDING = {"Host": "evil.example:8080", "Origin": "http://evil.example:8080"}
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(path)
-    return load_tokenizer(path, eos_token_ids=[EOS_ID])
+    return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")

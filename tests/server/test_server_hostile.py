@@ -16,8 +16,7 @@ import httpx
 import pytest
 from helpers.families import build
 from helpers.serverkit import MODEL_ID, LiveServer, anthropic_client, openai_client
-from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target, write_tokenizer
-from mlx_lm.tokenizer_utils import load as load_tokenizer
+from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target, tiny_tokenizer
 
 from mlx_dflash.decoding import session as session_module
 from mlx_dflash.decoding.session import DecodingSession
@@ -63,9 +62,7 @@ class GatedTarget(TargetModel):
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tokenizer")
-    write_tokenizer(path)
-    return load_tokenizer(path, eos_token_ids=[EOS_ID])
+    return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,13 @@ import json
 import shutil
 import subprocess
 import threading
-import time
 
 import httpx
 import mlx.core as mx
 import openai
 import pytest
-from helpers.serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
-from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
+from helpers.serverkit import MODEL_ID, LiveServer, cancelled_by_the_server, endless_pair, openai_client, tiny_pair
+from helpers.tiny import EOS_ID, greedy_reference
 
 import mlx_dflash
 from mlx_dflash.server.http.errors import APIError
@@ -237,12 +236,7 @@ def test_eight_concurrent_streams_each_equal_their_solo_run(pair, server):
 @pytest.fixture(scope="module")
 def endless(pair):
     """The tiny target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
-    _, tokenizer, _ = pair
-    model = tiny_target("qwen3", seed=0)
-    weight = model.model.embed_tokens.weight
-    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
-    mx.eval(model.parameters())
-    return model, tokenizer, tiny_drafter(model, block_size=8)
+    return endless_pair(pair[1])
 
 
 def test_dropped_stream_stops_its_generation_and_the_next_request_is_served(endless):
@@ -270,21 +264,6 @@ def test_dropped_stream_stops_its_generation_and_the_next_request_is_served(endl
 
 SERVER_CANCELLED_MESSAGE = ("the server cancelled this request before its reply was complete (it is shutting "
                             "down); retry it")
-
-
-def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
-    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
-    what Ctrl-C and shutdown call)."""
-    box: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not live.engine.busy:
-        assert time.monotonic() < deadline, "the request never started decoding"
-        time.sleep(0.01)
-    live.engine.cancel_all()
-    thread.join(60)
-    return box["r"]
 
 
 def test_a_reply_the_server_cancels_is_an_error_not_a_finished_reply(endless):

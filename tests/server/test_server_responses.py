@@ -8,17 +8,14 @@ request shaped like Codex's is served and its event stream validated against the
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
-import mlx.core as mx
 import openai
 import pydantic
 import pytest
-from helpers.scripted import scripted_pair
-from helpers.serverkit import MODEL_ID, LiveServer, openai_client, tiny_pair
-from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target
+from helpers.scripted import QWEN_LIKE_TURNS, scripted_pair
+from helpers.serverkit import MODEL_ID, LiveServer, cancelled_by_the_server, endless_pair, openai_client, tiny_pair
+from helpers.tiny import EOS_ID, greedy_reference
 from openai.types.responses import ResponseStreamEvent
 
 from mlx_dflash.decoding.stats import GenerationStats
@@ -34,15 +31,7 @@ ANSWER = "It is sunny in Paris."
 # A Qwen3-like template: tools, earlier thinking (reasoning_content) and calls, tool results, and a
 # generation prompt that ends with the last message's last character (what the scripted target reads),
 # opening a thinking span when enable_thinking is on.
-TEMPLATE = (
-    "{%- if tools %}<s>tools:{% for t in tools %}{{ t.function.name }};{% endfor %}</s>{% endif %}"
-    "{%- for m in messages %}"
-    "{%- if m.role == 'assistant' %}<a>{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>"
-    "{% endif %}{{ m.content }}{% for c in m.tool_calls or [] %}<tool_call>"
-    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}</s>"
-    "{%- elif m.role == 'tool' %}<t>{{ m.content }}</s>"
-    "{%- else %}<{{ m.role[0] }}>{{ m.content }}</s>{% endif %}"
-    "{%- endfor %}"
+TEMPLATE = QWEN_LIKE_TURNS + (
     "{%- if add_generation_prompt %}{% if messages[-1].role == 'tool' %}R={% else %}"
     "A{{ messages[-1].content[-1:] }}{% if enable_thinking %}<think>{% endif %}{% endif %}{% endif %}"
 )
@@ -83,27 +72,7 @@ def tools_client(scripted):
 @pytest.fixture(scope="module")
 def endless(pair):
     """The tiny target with its end-of-sequence row zeroed: greedy replies never stop on their own."""
-    _, tokenizer, _ = pair
-    model = tiny_target("qwen3", seed=0)
-    weight = model.model.embed_tokens.weight
-    model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
-    mx.eval(model.parameters())
-    return model, tokenizer, tiny_drafter(model, block_size=8)
-
-
-def cancelled_by_the_server(live: LiveServer, route: str, body: dict) -> httpx.Response:
-    """The whole response to `body`, a request the server cancels once it is decoding (`Engine.cancel_all`,
-    what Ctrl-C and shutdown call)."""
-    box: dict[str, httpx.Response] = {}
-    thread = threading.Thread(target=lambda: box.setdefault("r", httpx.post(live.url + route, json=body, timeout=60)))
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not live.engine.busy:
-        assert time.monotonic() < deadline, "the request never started decoding"
-        time.sleep(0.01)
-    live.engine.cancel_all()
-    thread.join(60)
-    return box["r"]
+    return endless_pair(pair[1])
 
 
 def reference(pair, messages: list[dict], n: int) -> tuple[str, int]:
