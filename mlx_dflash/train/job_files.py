@@ -74,7 +74,7 @@ def prepare(target: str, data: Sequence[str], out: str | Path, *, layers: int = 
                         eval_tokens=eval_flat, eval_offsets=eval_offsets)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     job = {"drafter": drafter_config(args), "stop": sorted(int(i) for i in tokenizer.eos_token_ids),
-           "pad_id": int(pad_id), "seed": seed, "data": [Path(d).name for d in data],
+           "pad_id": int(pad_id), "seed": seed, "heldout": heldout, "data": [Path(d).name for d in data],
            "train_prompts": len(train_prompts), "eval_prompts": len(eval_prompts),
            "max_prompt_tokens": max_prompt_tokens, "every_turn": every_turn}
     if Path(target).is_file():

@@ -33,7 +33,8 @@ def can_batch(target: TargetModel) -> bool:
     return target.model_type in BATCHED_FAMILIES and not getattr(target.args, "sliding_window", None)
 
 
-def _layers(target: TargetModel, h: mx.array, mask: mx.array, cache: list[Any]) -> mx.array:
+def decoder_layers(target: TargetModel, h: mx.array, mask: mx.array, cache: list[Any]) -> mx.array:
+    """The decoder layers and final norm over embeddings `h`, under one boolean `mask` (B, 1, L, S) for every layer."""
     for layer, c in zip(target.inner.layers, cache, strict=True):
         h = layer(h, mask, c)
     return target.inner.norm(h)
@@ -50,7 +51,7 @@ def batched_greedy(target: TargetModel, prompts: Sequence[Sequence[int]], *, max
     # A padding query still sees itself, so no softmax row is empty.
     mask = (causal & keys_valid[:, None, :]) | mx.eye(P, dtype=mx.bool_)
     cache = target.make_cache()
-    hidden = _layers(target, target.embed(mx.array(rows)), mask[:, None], cache)
+    hidden = decoder_layers(target, target.embed(mx.array(rows)), mask[:, None], cache)
     next_tokens = mx.argmax(target.logits(hidden[:, -1]), axis=-1)
     replies: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
@@ -64,7 +65,7 @@ def batched_greedy(target: TargetModel, prompts: Sequence[Sequence[int]], *, max
         if all(done) or step == max_tokens - 1:
             break
         keys_valid = mx.concatenate([keys_valid, mx.ones((len(prompts), 1), dtype=mx.bool_)], axis=1)
-        hidden = _layers(target, target.embed(next_tokens[:, None]), keys_valid[:, None, None, :], cache)
+        hidden = decoder_layers(target, target.embed(next_tokens[:, None]), keys_valid[:, None, None, :], cache)
         next_tokens = mx.argmax(target.logits(hidden[:, -1]), axis=-1)
     return replies
 

@@ -9,9 +9,13 @@
         (PyTorch side) regenerates the replies with the target (greedy, batched), trains on
         them for the rest of the time budget, and writes OUT/drafter (z-lab layout, files of
         at most 15 MiB, rewritten whole every few minutes), OUT/replies.npz (reused by a later
-        run's `--replies`) and OUT/log.txt.
+        run's `--replies`) and OUT/log.txt. `--replies` takes an earlier run's replies.npz or a
+        corpus folder made with MLX (`python -m mlx_dflash.train.corpus make`: manifest.json and
+        sha256-checked shards); their prompts are not regenerated (`--regen-minutes 0`: train on
+        them alone).
     python -m mlx_dflash.train.torch_job smoke --out OUT
-        the run on a tiny random target, to check a machine in seconds.
+        the run on a tiny random target, then again from a corpus folder of its replies, to check
+        a machine in seconds.
 
 The run prints one line per event; the same lines go to OUT/log.txt.
 """
@@ -23,13 +27,14 @@ import json
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import DFlashError
+from .corpus_files import reused_replies, write_corpus
 from .data import Example
 from .job_files import REPLIES_FILE, file_sha256, prepare, read_prompts, read_replies, split_file, write_replies
 from .recipe import DEFAULT_LR, SCALE_EXAMPLES
@@ -76,7 +81,8 @@ RUN_HELP = {
     "autocast": "bfloat16 forwards over float32 weights",
     "export_every_minutes": "rewrite OUT/drafter this often",
     "eval_every_minutes": "measure the held-out replies this often",
-    "replies": "replies.npz of an earlier run: its replies are kept and their prompts not regenerated",
+    "replies": "replies.npz of an earlier run, or a corpus folder (manifest.json + shards, sha256-checked): "
+               "its replies are kept and their prompts not regenerated",
     "export_margin_seconds": "kept free at the end for the last evaluation and export",
     "shard_bytes": "largest weight file written",
     "device": "cuda, cpu, ...",
@@ -132,22 +138,24 @@ def run_job(target, job: dict[str, Any], train_prompts: Sequence[Sequence[int]],
     start = time.monotonic()
     end = start + opts.minutes * 60
     stop, pad_id = job["stop"], job["pad_id"]
+    prompts, replies, from_corpus = reused_replies(opts.replies, job, eval_prompts, log)
     eval_prompts = list(eval_prompts)[: opts.eval_prompts]
     eval_replies = target.greedy(eval_prompts, max_new_tokens=opts.max_new_tokens, stop=stop, pad_id=pad_id) \
         if eval_prompts else []
     eval_examples = _examples(eval_prompts, eval_replies, opts.seq_len)
-    prompts, replies = read_replies(Path(opts.replies)) if opts.replies else ([], [])
     known = {tuple(p) for p in prompts}
     todo = [p for p in train_prompts if tuple(p) not in known]
     log(f"regenerate: {len(prompts)} replies reused, {len(todo)} prompts to go")
     new_prompts, new_replies = regenerate_replies(target, todo, stop=stop, pad_id=pad_id,
                                                   max_new_tokens=opts.max_new_tokens, batch=opts.regen_batch,
                                                   deadline=start + opts.regen_minutes * 60, seed=opts.seed, log=log)
+    # A corpus stays where it is (it travelled with the repository); replies.npz keeps what it lacks.
+    kept = ([], []) if from_corpus else (prompts, replies)
+    write_replies(out / REPLIES_FILE, kept[0] + new_prompts, kept[1] + new_replies)
     prompts, replies = prompts + new_prompts, replies + new_replies
     examples = _examples(prompts, replies, opts.seq_len)
     if not examples:
         raise DFlashError("no regenerated reply has two tokens or more")
-    write_replies(out / REPLIES_FILE, prompts, replies)
     log(json.dumps({"event": "data", "examples": len(examples), "eval_examples": len(eval_examples),
                     "reply_tokens": sum(len(r) for r, _ in replies), "seconds": round(time.monotonic() - start, 1)}))
 
@@ -237,7 +245,8 @@ def run(job_dir: str | Path, target_path: str | Path, out: str | Path, opts: Run
 
 
 def smoke(out: str | Path, device: str) -> dict[str, Any]:
-    """The run, end to end, on a tiny random llama target: regenerate, train, export."""
+    """The run, end to end, on a tiny random llama target: regenerate, train, export; then again from a corpus
+    folder of those replies (written here with numpy, as `corpus make` writes one), regenerating nothing."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -259,7 +268,12 @@ def smoke(out: str | Path, device: str) -> dict[str, Any]:
                       blocks_per_seq=8, export_every_minutes=0.1, eval_every_minutes=0.1,
                       export_margin_seconds=5, device=device, autocast=device == "cuda")
     out = Path(out)
-    return run_job(target, job, prompts[:32], prompts[32:], out, opts, _logger(out))
+    run_job(target, job, prompts[:32], prompts[32:], out, opts, _logger(out))
+    corpus = out / "corpus"
+    write_corpus(corpus, *read_replies(out / REPLIES_FILE), vocab_size=128, shard_prompts=8,
+                 info={"stop": [2], "pad_id": 0, "target": {"file": "tiny random llama"}})
+    again = replace(opts, minutes=0.15, regen_minutes=0.0, replies=str(corpus))
+    return run_job(target, job, prompts[:32], prompts[32:], out / "from_corpus", again, _logger(out / "from_corpus"))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
