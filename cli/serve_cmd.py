@@ -41,6 +41,8 @@ def serve(
     max_tokens_default: Annotated[int, typer.Option("--max-tokens-default", min=1, help="Reply length when a request gives no max_tokens.")] = 512,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature when a request gives none (0: greedy).")] = 0.0,
     prompt_cache_bytes: Annotated[int | None, typer.Option("--prompt-cache-bytes", min=0, help="Memory for caches kept across requests (0: no prompt cache; default: a quarter of the memory the models leave free, 256 MiB to 16 GiB).")] = None,
+    prompt_cache_dir: Annotated[str | None, typer.Option("--prompt-cache-dir", envvar="MLX_DFLASH_PROMPT_CACHE_DIR", help="Folder for the prompt cache's disk tier: conversations evicted from memory, and on a clean stop the live ones, are written there (a file per conversation) and read back by later requests with the same models, after a restart too. 'off' (or 'none'): memory only. Default: prompt-cache under the mlx-dflash cache folder ($MLX_DFLASH_CACHE, else ~/.cache/mlx-dflash).")] = None,
+    prompt_cache_disk_bytes: Annotated[int | None, typer.Option("--prompt-cache-disk-bytes", min=0, help="Disk space for those files, every model's counted; the least recently used go first (0: no disk tier; default: 8 GiB or a tenth of the free disk space, whichever is less).")] = None,
     served_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients use (default: --model as given).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
     quantize: Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target (see --q-bits).")] = False,
@@ -67,6 +69,7 @@ def serve(
         from mlx_dflash.server import Engine, EngineConfig
         from mlx_dflash.server.http.state import ServerState
         from mlx_dflash.server.runner import make_server
+        from mlx_dflash.server.worker.prompt_disk import resolve_dir
     except ImportError as e:
         raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
     from mlx_dflash.auto.policy import parse_block_size
@@ -75,6 +78,7 @@ def serve(
     from .chat_cmd import _load
 
     size = parse_block_size(block_size)
+    disk_dir = resolve_dir(prompt_cache_dir)
     _check_port(host, port)
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     from mlx_dflash.distributed.world import world
@@ -88,7 +92,9 @@ def serve(
     engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes,
                                                              calibration=calibration, prompt_lookup=prompt_lookup,
                                                              max_queue=max_queue, max_batch=max_batch,
-                                                             batch_bytes=batch_bytes))
+                                                             batch_bytes=batch_bytes,
+                                                             prompt_cache_dir=str(disk_dir) if disk_dir else None,
+                                                             prompt_cache_disk_bytes=prompt_cache_disk_bytes))
     model_id = served_name or model or EMBEDDED_ID
     aliases = {Path(model).name} if model else set()
     state = ServerState(engine, model_id, api_key=api_key, max_tokens_default=max_tokens_default,
@@ -98,6 +104,10 @@ def serve(
                         body_timeout=body_timeout)
     for line in lines:
         console.print(line)
+    disk = engine.prompt_cache.disk
+    if disk is not None:
+        console.print(escape(f"prompt cache on disk: {disk.dir} ({len(disk)} conversations of these models, "
+                             f"{disk.nbytes / 2**30:.2f} of {disk.max_bytes / 2**30:.2f} GiB used)"))
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     drafting = " and ".join(["DFlash"] * (drafter is not None) + ["prompt lookup"] * prompt_lookup)
     drafting = f"{drafting}, block size {engine.block_size}" if drafting else "plain decoding"

@@ -23,6 +23,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if "MLX_DFLASH_CALIBRATION_DIR" not in os.environ:
     os.environ["MLX_DFLASH_CALIBRATION_DIR"] = tempfile.mkdtemp(prefix="mlx-dflash-calibration-")
     atexit.register(shutil.rmtree, os.environ["MLX_DFLASH_CALIBRATION_DIR"], ignore_errors=True)
+# `serve` keeps no conversations on disk in the user's cache: tests that want the disk tier name a folder.
+os.environ.setdefault("MLX_DFLASH_PROMPT_CACHE_DIR", "off")
 
 from helpers.families import cached_drafter, cached_target  # noqa: E402
 from helpers.tiny import FakeTokenizer  # noqa: E402

@@ -22,6 +22,10 @@ With prompt lookup (`mlx_dflash.proposers.lookup`) a cycle may verify a proposal
 tokens instead of a draft; the policy chooses the source, and every cycle tells it what
 the lookup's proposal would have done (`shadow`). A lookup cycle leaves the drafter's
 features queued, as a plain step does.
+
+A target whose caches cannot be rewound (recurrent, rotating) keeps `marks` while it is
+fed (`prefix_marks`): at the positions its owner asks for (`mark_at`), the state of those
+caches, so that `truncate` can go back to any marked length without recomputing.
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import mlx.core as mx
 
 from ..proposers.base import DFLASH, LOOKUP, Proposer
 from ..proposers.lookup import PromptLookup
-from ..targets.model import TargetModel
+from ..targets.model import Checkpoint, TargetModel
 from .block_size import BlockSizePolicy
+from .prefix_marks import PrefixMark, thin
 from .step import Launched, Verified, launch_step
 
 PREFILL_CHUNK = 2048
@@ -65,8 +70,10 @@ class DecodingSession:
         # The last step's work done in the cycle before it, less the next one's done in it: a
         # cycle's timer plus this is what the cycle cost (a launch ahead may block for a while).
         self.moved_seconds = 0.0
+        # Unrewindable caches (recurrent, rotating): `truncate` needs a mark to go back without recomputing.
+        self.rewindable = target.checkpoint(self.cache) is None
         # Launching ahead needs a cheap way back (a trim) and no other rank to keep in step with.
-        self.can_launch_ahead = target.world is None and target.checkpoint(self.cache) is None
+        self.can_launch_ahead = target.world is None and self.rewindable
         self.prefill_logprobs: mx.array | None = None  # the last `extend`'s sampled row
         # Asked between `extend`'s prefill chunks (a server's request was cancelled): True stops it there.
         self.cancel_check: Callable[[], bool] | None = None
@@ -76,6 +83,10 @@ class DecodingSession:
         # Asked between `extend`'s prefill chunks to let other work run (a server's other requests).
         self.between_chunks: Callable[[], None] | None = None
         self.prefill_chunk = PREFILL_CHUNK  # positions per prefill forward
+        # Told (positions fed, positions to feed) after each prefill chunk of `extend`: progress to show.
+        self.progress: Callable[[int, int], None] | None = None
+        self.marks: list[PrefixMark] = []  # ascending lengths, at most `prefix_marks.MAX_MARKS`
+        self.mark_at: set[int] = set()  # cache positions the next feeds mark (only where not rewindable)
         # In a `mlx_dflash.batching.batch.SessionBatch`: the batch holds this session's caches and runs its cycles
         # with the other members'; `cycle` returns this session's part of the last one.
         self.batch: Any = None
@@ -129,24 +140,44 @@ class DecodingSession:
     def _feed(self, inputs: list[int], start: int, cancellable: bool = False) -> mx.array:
         """Run `inputs` (absolute positions from `start`) through the target in chunks,
         committing their features to the drafter; returns the last position's logits.
+        Chunks end at the positions of `mark_at`, where a mark is kept.
         `cancellable`: raise `PrefillCancelled(fed)` between chunks when `cancel_check` says so."""
         logits = None
         self.settle()
         if self._pending:
             self.inject_pending()  # in order: queued positions come before these
-        for lo in range(0, len(inputs), self.prefill_chunk):
+        if not self.rewindable and start and start in self.mark_at:
+            self._mark(start + 1)  # the state before this feed
+        for lo, hi in self._chunks(len(inputs), start):
             if lo and self.between_chunks is not None:
                 self.between_chunks()
             if lo and cancellable and self.cancel_check is not None and self.cancel_check():
                 raise PrefillCancelled(lo)
-            chunk = mx.array(inputs[lo : lo + self.prefill_chunk], dtype=mx.uint32)[None]
+            chunk = mx.array(inputs[lo:hi], dtype=mx.uint32)[None]
             hidden, features = self.target.forward(chunk, self.cache, self.capture)
             if self.proposer is not None:
                 self.proposer.commit(features, start + lo)
             logits = self.target.logits(hidden[:, -1:])[0]
             mx.eval(logits, self.proposer.state_arrays() if self.proposer is not None else [])
             self.target.heartbeat()
+            if not self.rewindable and start + hi in self.mark_at:
+                self._mark(start + hi + 1)
+            if self.progress is not None:
+                self.progress(hi, len(inputs))
         return logits
+
+    def _mark(self, length: int) -> None:
+        """Keep the unrewindable caches' state: they hold the first `length` tokens but the pending one."""
+        if all(m.length != length for m in self.marks):
+            self.marks = thin(self.marks + [PrefixMark(length, self.target.checkpoint(self.cache).states)])
+
+    def _chunks(self, count: int, start: int) -> list[tuple[int, int]]:
+        """[lo, hi) spans of `count` inputs fed from `start`: `prefill_chunk` long, cut at marks."""
+        cuts = set(range(self.prefill_chunk, count, self.prefill_chunk))
+        if not self.rewindable:
+            cuts |= {p - start for p in self.mark_at if start < p <= count + start}
+        edges = [0, *sorted(cuts | {count})]
+        return list(zip(edges, edges[1:], strict=False))
 
     def extend(self, new_tokens: list[int], sampler: Any) -> int:
         """Feed new input after the committed tokens and sample the next token.
@@ -258,8 +289,17 @@ class DecodingSession:
         if self.constraint is not None:
             self.constraint.commit(verified.tokens[:count])
 
+    def reachable(self, length: int) -> int:
+        """The longest length <= `length` that `truncate` goes back to without recomputing (0: none)."""
+        if length >= len(self.tokens) or self.rewindable:
+            return length
+        return max((m.length for m in self.marks if m.length <= length), default=0)
+
     def truncate(self, length: int) -> None:
-        """Roll the whole state back to the first `length` committed tokens (length >= 1)."""
+        """Roll the whole state back to the first `length` committed tokens (length >= 1).
+
+        Unrewindable caches go back to the mark of that length; without one, the kept
+        prefix is recomputed from scratch."""
         drop = len(self.tokens) - length
         if drop <= 0:
             return
@@ -267,19 +307,22 @@ class DecodingSession:
         if self.lookup is not None:
             self.lookup.truncate(self.tokens, length)
         self.inject_pending()  # then the drafter holds every committed position and can trim
+        mark = next((m for m in self.marks if m.length == length), None)
+        self.marks = [m for m in self.marks if m.length <= length]
         try:
-            if self.target.checkpoint(self.cache) is not None:
+            if not self.rewindable and mark is None:
                 raise ValueError("recurrent target state cannot be rewound")
             if self.proposer is not None:
                 self.proposer.trim(drop)  # first: a draft window may refuse
         except ValueError:
             # Without a way back, recompute the kept prefix from scratch.
             self.cache = self.target.make_cache()
+            self.marks = []
             if self.proposer is not None:
                 self.proposer.trim(len(self.tokens) - 1)
             self._feed(self.tokens[: length - 1], 0)
         else:
-            self.target.rollback(self.cache, drop)
+            self.target.rollback(self.cache, drop, Checkpoint(mark.states) if mark is not None else None)
         del self.tokens[length:]
 
 

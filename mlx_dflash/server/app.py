@@ -92,7 +92,7 @@ def create_app(state: ServerState) -> Starlette:
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok", "model": state.model_id, "busy": engine.busy,
                              "waiting": engine.waiting, "prompt_cache": describe(engine.prompt_cache),
-                             "batch": engine.batching})
+                             "batch": engine.batching, "prefill": engine.prefilling})
 
     def model_card() -> dict:
         return {"id": state.model_id, "object": "model", "created": state.created, "owned_by": "mlx-dflash"}

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import sys
 from typing import Any
 
 import uvicorn
+from uvicorn.config import LOG_LEVELS
+from uvicorn.logging import DefaultFormatter
 
 from .app import create_app
 from .http.state import ServerState
@@ -31,6 +35,24 @@ def make_server(state: ServerState, host: str, port: int, log_level: str = "warn
     """The server of `state`'s app on `host`:`port`; `host` becomes `state.bind_host`, which decides
     which `Host` names the app answers (loopback ones only on a loopback address)."""
     state.bind_host = host
+    _show_package_log(log_level)
     config = uvicorn.Config(create_app(state), host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)
     return GracefulServer(config, state.engine)
+
+
+_HANDLER = logging.StreamHandler()
+_HANDLER.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))  # as uvicorn writes its own lines
+
+
+def _show_package_log(level: str) -> None:
+    """The package's own log lines (logger "mlx_dflash": a long prefill's progress, why a request
+    decodes alone, the disk tier) on stderr beside uvicorn's, from `level` up (`--log-level`)."""
+    number = LOG_LEVELS.get(level.lower(), logging.WARNING)
+    _HANDLER.setLevel(number)
+    _HANDLER.setStream(sys.stderr)  # today's: a test's capture, or the process's
+    logger = logging.getLogger("mlx_dflash")
+    if _HANDLER not in logger.handlers:
+        logger.addHandler(_HANDLER)
+    if logger.getEffectiveLevel() > number:  # never quieter than a level set elsewhere (a test's)
+        logger.setLevel(number)

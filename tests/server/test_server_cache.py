@@ -3,6 +3,8 @@ a cold run, for an attention, a hybrid (GatedDeltaNet) and a sliding-window targ
 
 from __future__ import annotations
 
+import itertools
+
 import openai
 import pytest
 from helpers.families import build
@@ -174,3 +176,61 @@ def test_a_rerendered_reply_still_reuses_the_whole_first_prompt(family, tokenize
     assert cached == one.usage.prompt_tokens - (0 if family == "qwen3" else 2)
     assert prefilled(target.fed, family) == len(prompt) - cached
     assert two.choices[0].message.content == tokenizer.decode(expected)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma3_text"])  # recurrent, sliding window
+def test_a_new_session_with_the_same_system_prompt_reuses_it_on_unrewindable_targets(family, tokenizer):
+    """An agent's second session (or a sub-agent) shares the system prompt and tools but not the first
+    user message: the caches come back from the mark kept where that message opened, and the reply
+    equals a cold run's."""
+    model = build(family, seed=5)
+    target = CountingTarget(model)
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
+    system = {"role": "system", "content": "You are a careful coding agent. Tools: read, edit, run. " * 3}
+    one = [system, {"role": "user", "content": "Fix the failing test."}]
+    two = [system, {"role": "user", "content": "Explain main.py please."}]
+    with LiveServer(target, tokenizer, drafter) as live:
+        live.engine.prompt_cache.openers = {tokenizer.get_vocab()["<"]}  # this template opens messages with '<'
+        client = openai.OpenAI(base_url=live.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        client.chat.completions.create(model=MODEL_ID, messages=one, max_tokens=8)
+        expected, prompt = reply_of(model, tokenizer, two, 12)
+        target.fed.clear()
+        reply = client.chat.completions.create(model=MODEL_ID, messages=two, max_tokens=12)
+    shared = len(tokenizer.apply_chat_template([system], add_generation_prompt=False))  # up to the user's '<'
+    cached = reply.usage.prompt_tokens_details.cached_tokens
+    assert cached == shared
+    # The prefill's forwards (cut at marks and at the copy) cover exactly the rest of the prompt.
+    assert len(prompt) - cached in itertools.accumulate(target.fed) and target.fed[0] < len(prompt) - cached + 1
+    assert reply.choices[0].message.content == tokenizer.decode(expected)
+
+
+def test_a_hybrid_session_an_error_left_mid_cycle_goes_back_to_its_latest_mark():
+    from helpers.families import decode
+
+    from mlx_dflash.decoding.prefix_marks import mark_positions
+    from mlx_dflash.decoding.sampling import make_sampler
+    from mlx_dflash.proposers.dflash import DFlashProposer
+    from mlx_dflash.server.worker.prompt_cache import recover
+
+    greedy = make_sampler(0.0)
+    model = build("qwen3_5", seed=6)
+    target = TargetModel(model)
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
+    prompt = [1, 5, 9, 7, 4, 4, 8, 2, 6, 7, 3, 9, 9, 5, 11, 12]
+
+    def session():
+        return DecodingSession(target, DFlashProposer(drafter, target, max_block_size=6))
+
+    broken = session()
+    broken.mark_at = set(mark_positions(prompt, 0, {7}, every=0))
+    broken.extend(prompt, greedy)
+    broken.step(greedy, 6)  # the verify pass wrote past the committed tokens; no `keep` follows (an error)
+    assert recover(broken)
+    assert broken.tokens == prompt[:10]  # back to the mark before the second opener
+    fresh = session()
+    fresh.extend(prompt[:9], greedy)
+    fresh.tokens[-1] = prompt[9]
+    broken.extend(prompt[10:], greedy)
+    fresh.extend(prompt[10:], greedy)
+    assert decode(broken, greedy, 8, 4) == decode(fresh, greedy, 8, 4)
+    assert not recover(session())  # nothing committed, no mark: not reusable

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -24,6 +26,7 @@ from mlx_dflash.server import EngineConfig
 from mlx_dflash.server.apis import openai_api
 from mlx_dflash.server.http.guard import MAX_JSON_DEPTH, json_depth
 from mlx_dflash.server.http.sse import KEEPALIVE, with_keepalive
+from mlx_dflash.server.worker import prefill_progress
 from mlx_dflash.server.worker.prompt_cache import PromptCache, session_bytes
 from mlx_dflash.targets.model import TargetModel
 
@@ -392,6 +395,35 @@ def test_a_cancelled_prefill_stops_at_the_next_chunk_and_keeps_what_it_fed(gated
     assert target.fed[:8] == [32] * 7 + [300 - 64 - 32 * 7]  # the rest, chunk by chunk
     out = greedy_reference(model, prompt, 8)
     assert reply["choices"][0]["text"] == tokenizer.decode(out[: out.index(EOS_ID)] if EOS_ID in out else out)
+
+
+def test_health_and_the_log_show_a_long_prefills_progress(gated, monkeypatch, caplog):
+    live, target = gated
+    monkeypatch.setattr(session_module, "PREFILL_CHUNK", 32)
+    monkeypatch.setattr(prefill_progress, "LOG_TOKENS", 100)  # a "long" prompt
+    monkeypatch.setattr(prefill_progress, "LOG_SECONDS", 0.0)  # a line after every chunk
+    prompt = [4 + (i * 7) % 90 for i in range(300)]  # ten chunks
+    live.engine.prompt_cache.clear()
+    target.reset(hold_at=3)  # held in its third chunk: two are fed
+    assert httpx.get(live.url + "/health").json()["prefill"] == []
+    replies: list[httpx.Response] = []
+    client = threading.Thread(target=lambda: replies.append(
+        post(live, "/v1/completions", {"model": MODEL_ID, "prompt": prompt, "max_tokens": 4})))
+    with caplog.at_level(logging.INFO, logger="mlx_dflash"):
+        client.start()
+        try:
+            assert target.holding.wait(30)
+            time.sleep(0.1)
+            held = httpx.get(live.url + "/health").json()["prefill"]
+        finally:
+            target.gate.set()
+        client.join(60)
+    assert len(held) == 1 and held[0]["seconds"] >= 0.1
+    assert held == [{"fed": 64, "total": 300, "seconds": held[0]["seconds"]}]
+    assert replies[0].status_code == 200 and httpx.get(live.url + "/health").json()["prefill"] == []
+    logged = [re.fullmatch(r"mlx-dflash serve: prefill (\d+)/300 tokens, [\d.]+ s", r.getMessage())
+              for r in caplog.records if "prefill" in r.getMessage()]
+    assert all(logged) and [int(m.group(1)) for m in logged] == [*range(32, 300, 32), 300]
 
 
 def test_a_stream_dropped_during_the_prefill_is_noticed_at_a_keepalive(gated, monkeypatch):

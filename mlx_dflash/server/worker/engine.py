@@ -17,6 +17,7 @@ from typing import Any
 
 from ...auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
 from ...batching.batch import batch_footprint
+from ...decoding.prefix_marks import turn_openers
 from ...decoding.session import DecodingSession
 from ...decoding.stats import GenerationStats
 from ...platform.runtime import (
@@ -29,7 +30,9 @@ from ...platform.runtime import (
 from ...proposers.factory import check_block_size, make_lookup, make_proposer
 from ...targets.model import TargetModel
 from .jobs import Finished, GenerationRequest, Job, Step
+from .prefill_progress import describe_prefill
 from .prompt_cache import PromptCache
+from .prompt_disk import PromptDisk
 from .scheduler import Scheduler, describe_batch
 
 
@@ -43,9 +46,12 @@ class EngineConfig:
     max_batch: int = 8  # requests decoded together (1: one at a time)
     batch_bytes: int | None = None  # memory for the batched caches (None: `runtime.default_batch_bytes`)
     buffer_cache_bytes: int | None = None  # freed MLX buffers kept for reuse (None: an eighth of batch_bytes)
+    prompt_cache_dir: str | None = None  # the prompt cache's disk tier (`prompt_disk`; None: memory only)
+    prompt_cache_disk_bytes: int | None = None  # its bound (None: `prompt_disk.default_disk_bytes`; 0: no disk tier)
 
 
 BUFFER_CACHE_MIN = 64 << 20  # a cycle's activations of a small model, reused without a new allocation
+PERSIST_WAIT = 120.0  # seconds `stop` also waits while the worker writes the live conversations to disk
 
 
 class QueueFull(Exception):
@@ -73,7 +79,7 @@ class Engine:
         cache_bytes = self.config.prompt_cache_bytes
         if cache_bytes is None:
             cache_bytes = default_prompt_cache_bytes(self.target.model, drafter)
-        self.prompt_cache = PromptCache(cache_bytes, self._new_session)
+        self.prompt_cache = PromptCache(cache_bytes, self._new_session, turn_openers(tokenizer))
         if self.config.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.config.max_batch}")
         self.footprint = batch_footprint(self.target, drafter, self.max_block_size)
@@ -85,6 +91,10 @@ class Engine:
             self.buffer_cache_bytes = max(self.batch_bytes // 8, BUFFER_CACHE_MIN)
         # The worker thread decodes: nothing it reads may hold a graph built on this thread.
         settle(self.target.model, drafter)
+        disk_bytes = self.config.prompt_cache_disk_bytes
+        if self.config.prompt_cache_dir and cache_bytes > 0 and disk_bytes != 0:
+            self.prompt_cache.disk = PromptDisk.for_models(self.config.prompt_cache_dir, disk_bytes, self.target,
+                                                           drafter)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._scheduler: Scheduler | None = None
@@ -115,12 +125,13 @@ class Engine:
             self._scheduler.cancel_all()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Cancel every request and end the worker."""
+        """Cancel every request and end the worker, which first writes the live conversations to
+        the prompt cache's disk tier, if there is one."""
         if self._thread is None:
             return
         self.cancel_all()
         self._jobs.put(None)
-        self._thread.join(timeout)
+        self._thread.join(timeout + (PERSIST_WAIT if self.prompt_cache.disk is not None else 0))
         self._thread = None
         self.prompt_cache.clear()
 
@@ -152,6 +163,11 @@ class Engine:
         return describe_batch(self._scheduler, self.config.max_batch)
 
     @property
+    def prefilling(self) -> list[dict[str, Any]]:
+        """Each prefill under way: positions fed of those to feed, and seconds so far (plain values)."""
+        return describe_prefill(self._scheduler)
+
+    @property
     def _current(self) -> Job | None:
         """The oldest running request's job (None: idle)."""
         runs = self._scheduler.runs if self._scheduler is not None else []
@@ -162,3 +178,4 @@ class Engine:
         self._scheduler = Scheduler(self, self._jobs)
         with wired_limit([self.target.model, self.drafter]), buffer_cache_limit(self.buffer_cache_bytes):
             self._scheduler.serve()
+            self.prompt_cache.persist()  # on this thread, where the sessions' arrays were made

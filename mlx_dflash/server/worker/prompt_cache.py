@@ -3,32 +3,38 @@
 A request takes the session sharing the longest prefix with its prompt: one its
 prompt extends (or goes on from but for the pending token, which no cache holds)
 is taken over as it is, in every family (attention, hybrid recurrent, sliding
-window); one it diverges from earlier is copied and the copy rolled back, which
-only caches that can be trimmed allow. For the others a copy taken two tokens
-before the end of each prompt (`prefed`) keeps that prompt reusable: asked again (a
-regenerated reply, a retry) or gone on from (a re-rendered reply), it computes only
-its last positions. The drafter's context cache travels inside the session, so it
-is reused alike. A request that fails does not cost the conversation: a session an
-error left mid-cycle is trimmed back to its committed tokens where it can be
-(`recover`), and kept.
+window); one it diverges from earlier is copied and the copy rolled back: trimmed, where
+the caches can be; for recurrent and rotating caches, to the session's latest mark
+before the divergence (`decoding.prefix_marks`: kept while prefilling, before each
+message opens and every few thousand positions), so a new session or a sub-agent that
+shares a long system prompt and its tools reuses them on every family. A mark two tokens
+before the end of each prompt keeps that prompt reusable too: asked again (a regenerated
+reply, a retry) or gone on from (a re-rendered reply), it computes only its last
+positions. The drafter's context cache travels inside the session, so it is reused
+alike. A request that fails does not cost the conversation: a session an error left
+mid-cycle is trimmed back to its committed tokens, or to its latest mark (`recover`),
+and kept. With a disk tier (`prompt_disk`) evicted sessions, and on a clean stop the live
+ones, are written to files that later requests read back, after a restart too.
 """
 
 from __future__ import annotations
 
 import copy
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 from mlx.utils import tree_flatten
 
 from ...decoding.loop import GenerationEvent
+from ...decoding.prefix_marks import mark_positions, marks_bytes
 from ...decoding.session import DecodingSession, PrefillCancelled, common_prefix
-from ...platform.runtime import generation_stream
 from ...proposers.dflash import DFlashProposer
-from ...targets.model import copy_cache
+from ...targets.model import copy_cache, copy_state
+
+if TYPE_CHECKING:
+    from .prompt_disk import PromptDisk
 
 
 def session_arrays(session: DecodingSession) -> list[mx.array]:
@@ -50,7 +56,7 @@ def session_bytes(session: DecodingSession) -> int:
         total += sum(a.nbytes for a in session.proposer.state_arrays())
     if session.lookup is not None:  # Python objects, not arrays: as much again as a small model's K/V
         total += session.lookup.nbytes
-    return total
+    return total + marks_bytes(session.marks)
 
 
 def clone_session(session: DecodingSession) -> DecodingSession | None:
@@ -63,8 +69,8 @@ def clone_session(session: DecodingSession) -> DecodingSession | None:
         proposer.cache = copy_cache(session.proposer.cache)
     clone = copy.copy(session)
     for name, value in vars(clone).items():
-        if isinstance(value, list):  # tokens, queued drafter input: own lists of immutable values
-            setattr(clone, name, list(value))
+        if isinstance(value, (list, set)):  # tokens, queued drafter input, marks: own lists of immutable values
+            setattr(clone, name, type(value)(value))
     clone.cache = [copy_cache(c) for c in session.cache]
     clone.proposer = proposer
     clone.lookup = session.lookup.copy() if session.lookup is not None else None
@@ -72,13 +78,17 @@ def clone_session(session: DecodingSession) -> DecodingSession | None:
 
 
 class PromptCache:
-    def __init__(self, max_bytes: int, new_session: Callable[[], DecodingSession]):
+    def __init__(self, max_bytes: int, new_session: Callable[[], DecodingSession], openers: set[int] | None = None):
         self.max_bytes = max_bytes
         self.new_session = new_session
+        self.openers = openers or set()  # the tokens that open a chat message: marks go before them
         self._entries: OrderedDict[int, tuple[DecodingSession, int]] = OrderedDict()
         self._next_key = 0
         # Kept as a running total: other threads (/health) read it while the worker evicts.
         self.nbytes = 0
+        # The disk tier (`prompt_disk`): evicted sessions are written there, and read back when a
+        # file serves a prompt better than memory does. None: memory only.
+        self.disk: PromptDisk | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,6 +101,10 @@ class PromptCache:
             keep = _usable_length(session, prompt)
             if keep is not None and (best is None or keep > best[0]):
                 best = (keep, key)
+        if self.disk is not None:
+            found = self._from_disk(prompt, best[0] if best is not None else 0)
+            if found is not None:
+                return found
         if best is None:
             return self.new_session(), 0
         keep, key = best
@@ -110,51 +124,34 @@ class PromptCache:
         session.tokens[-1] = prompt[keep - 1]
         return session, keep - 1
 
-    def _keeps_copies(self, session: DecodingSession) -> bool:
-        """A session that cannot be rolled back is worth a copy before its prompt's end."""
-        return self.max_bytes > 0 and session.target.checkpoint(session.cache) is not None
+    def _from_disk(self, prompt: list[int], memory: int) -> tuple[DecodingSession, int] | None:
+        """`fetch`'s answer from the disk tier, when a file keeps enough more of `prompt` than
+        memory's best (`memory` tokens) to be worth reading; rolled back as a memory hit's copy."""
+        found = self.disk.best(prompt, memory)
+        session = self.disk.load(found[1], self.new_session) if found is not None else None
+        if session is None:
+            return None
+        keep = found[0]
+        if keep < len(session.tokens):
+            before = session.cache
+            session.truncate(keep)
+            if session.cache is not before:  # the drafter's window refused: recomputed from scratch
+                return session, 0
+        session.tokens[-1] = prompt[keep - 1]
+        return session, keep - 1
 
-    def split_prompt(self, session: DecodingSession, new: list[int]) -> tuple[list[int], list[int]]:
-        """`new` (the prompt after the session's tokens) as (head, rest): `prefed` takes the head
-        in (its last token becomes the pending one) and keeps a copy; the rest, the prompt's last
-        token, goes to the decode stream. A session that can be rolled back needs no copy."""
-        if len(new) <= 2 or not self._keeps_copies(session):
-            return [], new
-        return new[:-1], new[-1:]
-
-    def prefed(self, session: DecodingSession, head: list[int],
-               stream: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
-        """`stream` (a decode stream over `session`, not started), after taking `head` in and keeping
-        a copy of the session, which then holds all of its prompt but the last two tokens.
-
-        So the same prompt asked again takes the copy over (it extends it) and computes only
-        those two positions, whatever recurrent or rotating caches the target has. The head's
-        prefill counts in the stream's statistics. A cancelled prefill (`PrefillCancelled`) ends
-        the stream: the session holds the prompt fed so far, consistently, so it is kept.
-        """
-        try:
-            started = time.perf_counter()
-            if head:
-                with mx.stream(generation_stream):
-                    session.extend(head[:-1], _first_choice)
-                session.tokens[-1] = head[-1]  # the pending token is in no cache: replacing it is free
-            if self._keeps_copies(session) and len(session.tokens) >= 2:
-                clone = clone_session(session)
-                if clone is not None:
-                    clone.cancel_check = None
-                    self.store(clone)
-            early = time.perf_counter() - started
-            first = True
-            for event in stream:
-                if first:
-                    event.stats.prompt_tokens += len(head)
-                    event.stats.prefill_time += early
-                    first = False
-                yield event
-        except PrefillCancelled:
-            return  # the session holds the prompt fed so far, consistently: kept, the request ends cancelled
-        finally:
-            stream.close()  # its own cleanup (a step launched ahead dropped) before the session is stored
+    def mark(self, session: DecodingSession, new: list[int]) -> None:
+        """Before `new` (the prompt after the session's tokens) is fed to a session that cannot be
+        rolled back: mark where its messages open and two tokens before its end. So the same prompt
+        asked again (a retry, a regenerated reply) or gone on from with a re-rendered reply computes
+        only its last positions, and a prompt sharing its system prompt and tools reuses them."""
+        if self.max_bytes <= 0 or session.rewindable:
+            return
+        prompt = session.tokens + new
+        marks = set(mark_positions(prompt, len(session.tokens), self.openers))
+        if len(prompt) - 2 >= len(session.tokens):
+            marks.add(len(prompt) - 2)
+        session.mark_at = marks
 
     def store(self, session: DecodingSession) -> None:
         if self.max_bytes <= 0 or len(session.tokens) < 2:
@@ -168,7 +165,10 @@ class PromptCache:
         self._next_key += 1
         evicted = False
         while self._entries and self.nbytes > self.max_bytes:
-            self._drop(next(iter(self._entries)))
+            key = next(iter(self._entries))
+            if self.disk is not None:
+                self.disk.write(self._entries[key][0])  # queued for the disk's writer thread
+            self._drop(key)
             evicted = True
         if evicted:
             mx.clear_cache()  # MLX keeps freed buffers for reuse: hand them back to the system
@@ -177,30 +177,49 @@ class PromptCache:
         _, size = self._entries.pop(key)
         self.nbytes -= size
 
+    def persist(self) -> None:
+        """Write the live sessions to the disk tier and wait for every write (a clean stop's, on
+        the thread that decoded them: their arrays are evaluated there)."""
+        if self.disk is not None:
+            self.disk.write_all(list(self._entries.values()))
+
     def clear(self) -> None:
         self._entries.clear()
         self.nbytes = 0
         mx.clear_cache()
 
 
-def _first_choice(logprobs: mx.array) -> mx.array:
-    return mx.argmax(logprobs, axis=-1)
+def until_cancelled(stream: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
+    """`stream`, ended early when its prefill is cancelled between chunks (`PrefillCancelled`): the
+    session then holds the prompt fed so far, consistently, and is kept; the request ends cancelled."""
+    try:
+        yield from stream
+    except PrefillCancelled:
+        return
+    finally:
+        stream.close()  # its own cleanup (a step launched ahead dropped) before the session is stored
 
 
 def recover(session: DecodingSession) -> bool:
-    """Make a session that an exception left mid-cycle (or mid-prefill) consistent again, if its
-    caches can be trimmed: every cache is cut back to the committed tokens, which a cycle or a
-    prefill only ever writes past. False: it cannot be (a recurrent or rotating cache, another
-    proposer), and must not be reused."""
+    """Make a session that an exception left mid-cycle (or mid-prefill) consistent again: every
+    trimmable cache is cut back to the committed tokens, which a cycle or a prefill only ever
+    writes past; recurrent and rotating caches go back to the latest mark (and the session with
+    them). False: it cannot be (no mark, another proposer), and must not be reused."""
     committed = len(session.tokens) - 1  # positions the caches hold (the pending token is in none)
-    if committed < 1 or session.target.checkpoint(session.cache) is not None:
-        return False
+    mark = None
+    if not session.rewindable:
+        mark = max((m for m in session.marks if m.length <= committed + 1), key=lambda m: m.length, default=None)
+        if mark is None:
+            return False
     proposer = session.proposer
-    if proposer is not None and not isinstance(proposer, DFlashProposer):
+    if committed < 1 or (proposer is not None and not isinstance(proposer, DFlashProposer)):
         return False
     try:
         session.settle()
-        for c in session.cache:
+        for i, c in enumerate(session.cache):
+            if mark is not None and i in mark.states:
+                c.state = copy_state(mark.states[i])  # whatever the error left there
+                continue
             if c.offset < committed:
                 return False
             c.trim(c.offset - committed)
@@ -209,6 +228,8 @@ def recover(session: DecodingSession) -> bool:
             if extra < 0:
                 return False
             proposer.trim(extra)
+        if mark is not None:
+            session.truncate(mark.length)  # the trimmable caches and the drafter follow the mark
     except Exception:  # a window that cannot give back positions, or state the error broke
         return False
     return True
@@ -219,15 +240,13 @@ def _usable_length(session: DecodingSession, prompt: list[int]) -> int | None:
 
     Kept tokens but the last must equal the prompt's (that last one, pending, can be swapped),
     at least one prompt token must remain to be fed, and keeping fewer than the session has
-    needs caches that can be trimmed.
+    needs caches that can be trimmed, or a mark of that length.
     """
     keep = min(common_prefix(session.tokens, prompt) + 1, len(session.tokens), len(prompt) - 1)
-    if keep < 2:
-        return None
-    if keep < len(session.tokens) and session.target.checkpoint(session.cache) is not None:
-        return None  # a recurrent or rotating cache cannot be rewound
-    return keep
+    keep = session.reachable(keep)  # a recurrent or rotating cache goes back only to a mark
+    return keep if keep >= 2 else None
 
 
 def describe(cache: PromptCache) -> dict[str, Any]:
-    return {"entries": len(cache), "bytes": cache.nbytes, "max_bytes": cache.max_bytes}
+    disk = cache.disk.describe() if cache.disk is not None else None
+    return {"entries": len(cache), "bytes": cache.nbytes, "max_bytes": cache.max_bytes, "disk": disk}

@@ -40,7 +40,8 @@ from ...decoding.stats import GenerationStats
 from ...decoding.stream_guard import end_stream
 from ...targets.model import TargetModel
 from .jobs import Finished, Job, Step, token_logprobs
-from .prompt_cache import PromptCache, recover
+from .prefill_progress import PrefillProgress
+from .prompt_cache import PromptCache, recover, until_cancelled
 from .text import TextFilter
 
 logger = logging.getLogger("mlx_dflash")
@@ -82,11 +83,15 @@ class Run:
         constraint = req.constraint() if req.constraint is not None else None
         self.session, self.cached = engine.prompt_cache.fetch(req.prompt)
         self.session.cancel_check = job.cancelled.is_set  # a cancelled request's prefill stops at its next chunk
-        head, new = engine.prompt_cache.split_prompt(self.session, req.prompt[len(self.session.tokens):])
+        new = req.prompt[len(self.session.tokens):]
+        engine.prompt_cache.mark(self.session, new)
         self.prompt_tokens = len(new)
+        # What its prefill has computed so far (/health, the log); it computes the pending token too.
+        self.progress = PrefillProgress(len(new) + min(len(self.session.tokens), 1))
+        self.session.progress = self.progress
         stream = stream_session(self.session, new, self.sampler, max_tokens=req.max_tokens, stop=engine.stop_ids,
                                 detokenizer=engine.tokenizer.detokenizer, policy=self.policy, constraint=constraint)
-        self.stream = engine.prompt_cache.prefed(self.session, head, stream)
+        self.stream = until_cancelled(stream)
         self.end = len(req.prompt) + req.max_tokens  # positions it may reach
         self.refused: str | None = None  # why the batch does not take it ("": it does; None: not asked yet)
         self.prefilling = False  # its prefill is under way (others run between its chunks)
@@ -112,10 +117,13 @@ class Run:
 
     def advance(self) -> Finished | None:
         """Pull and emit the next event; the `Finished` (not emitted yet) once the request is done."""
+        if self.event is None:
+            self.progress.begin()  # this call prefills
         event = next(self.stream, None)
         if event is None:  # the stream ended early: a prefill cancelled between chunks
             return self._finished()
         self.event = event
+        self.session.progress = None
         released = self.text.push(event.text)
         top = self.job.request.top_logprobs
         logprobs = None if top is None else token_logprobs(event.logprobs, event.tokens, top)
@@ -146,7 +154,7 @@ class Run:
 
     def _store(self, consistent: bool) -> None:
         session = self.session
-        session.cancel_check = session.between_chunks = None
+        session.cancel_check = session.between_chunks = session.progress = None
         # A failed request keeps its conversation: a session the error left mid-cycle is cut back.
         if consistent or recover(session):
             self.engine.prompt_cache.store(session)
