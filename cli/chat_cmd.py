@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console, Group
-from rich.live import Live
+from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
@@ -22,6 +21,7 @@ from mlx_dflash.platform.files import write_json_atomic
 
 from .app import app
 from .calibrate_cmd import block_size_option, calibration_for
+from .chat_display import PrefillBar, Stream
 from .terminal_input import read_line
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
@@ -43,10 +43,14 @@ HELP = """\
 /think on|off       thinking switch of models that have one (e.g. Qwen3)
 /color on|off       colour drafted, looked-up and target tokens
 /stats              acceptance and block-size histograms, predicted vs measured speed
-/save FILE          write the conversation as JSON
+/save [FILE]        save the conversation with its caches, to go on later without recomputing it
+                    (default: the file last saved or loaded, else chat-DATE-TIME.safetensors here);
+                    a FILE ending in .json gets the messages and settings as JSON, without caches
+/load FILE          go on with a conversation /save wrote (same models; also: chat --resume FILE)
 /exit               leave (also Ctrl-D, or Ctrl-C at the prompt)
 Multi-line input: end a line with \\ to continue it, or wrap the text in \"\"\" lines.
-Ctrl-C while a reply streams stops it; the partial reply stays in the conversation."""
+Ctrl-C while a reply streams stops it; the partial reply stays in the conversation.
+Ctrl-C while a long prompt is read (a progress bar) stops it; the message is dropped."""
 
 
 def _load(console: Console, model: str | None, draft: str | None, no_draft: bool, dtype: str | None,
@@ -103,10 +107,11 @@ def _quantized(console: Console, model: str, bits: int) -> tuple[str, str]:
 class ChatUI:
     """The REPL: reads input, dispatches slash commands, renders streaming replies."""
 
-    def __init__(self, console: Console, engine: Any, color: bool):
+    def __init__(self, console: Console, engine: Any, color: bool, path: Path | None = None):
         self.console = console
         self.engine = engine
         self.color = color
+        self.path = path  # the conversation's file: the last saved or loaded (a bare /save writes it)
 
     # -- input ---------------------------------------------------------------------------
     def read_message(self) -> str | None:
@@ -210,6 +215,8 @@ class ChatUI:
                 self.stats()
             elif name == "/save":
                 self.save(arg)
+            elif name == "/load":
+                self.load(arg)
             else:
                 self.console.print(f"[red]unknown command {escape(name)}: /help lists them[/]", highlight=False)
         except DFlashError as e:
@@ -246,9 +253,33 @@ class ChatUI:
             self.console.print(f"cost model: predicted {t.predicted_tps:.1f} tok/s, measured {t.measured_tps:.1f} "
                                "tok/s (decode)", highlight=False)
 
-    def save(self, path: str) -> None:
-        if not path:
-            raise DFlashError("/save needs a file name")
+    def save(self, arg: str) -> None:
+        """The conversation with its caches (a file `load` reads), or as JSON to a .json file."""
+        if arg.lower().endswith(".json"):
+            self.save_json(arg)
+            return
+        path = Path(arg).expanduser() if arg else self.path or _new_chat_path()
+        with self.console.status(escape(f"saving to {path}")):
+            size = self.engine.save(path)
+        self.path = path
+        self.console.print(
+            f"[dim]saved {len(self.engine.messages)} messages and their caches "
+            f"({self.engine.context_used()} tokens, {_size(size)}) to {escape(str(path))}; "
+            f"/load it or chat --resume it to go on[/]", highlight=False, soft_wrap=True)  # a path to copy whole
+
+    def load(self, arg: str) -> None:
+        if not arg:
+            raise DFlashError("/load needs a file name")
+        if arg.lower().endswith(".json"):
+            raise DFlashError(f"{arg}: a JSON transcript has no caches; /load reads what /save FILE writes "
+                              "(a name not ending in .json)")
+        path = Path(arg).expanduser()
+        with self.console.status(escape(f"loading {path}")):
+            self.engine.load(path)
+        self.path = path
+        self.console.print(f"[dim]{_loaded(self.engine, path)}[/]", highlight=False, soft_wrap=True)
+
+    def save_json(self, path: str) -> None:
         data = {
             "messages": self.engine.conversation(),
             "settings": asdict(self.engine.settings),
@@ -265,9 +296,11 @@ class ChatUI:
     def reply(self, text: str) -> None:
         engine = self.engine
         turn = engine.send(text)
-        live = _Stream(self.console) if self.console.is_terminal else None
+        live: Stream | None = None
+        bar = PrefillBar(self.console) if self.console.is_terminal else None
+        engine.on_prefill = bar.update if bar is not None else None
         previous = signal.getsignal(signal.SIGINT)
-        signal.signal(signal.SIGINT, lambda *_: engine.request_stop())  # stop at the cycle's end
+        signal.signal(signal.SIGINT, lambda *_: engine.request_stop())  # stop at the cycle's (or chunk's) end
         start = time.perf_counter()
         try:
             while True:
@@ -276,6 +309,9 @@ class ChatUI:
                 except StopIteration as done:
                     result = done.value
                     break
+                if live is None and self.console.is_terminal:  # after the prefill's bar: one live display at a time
+                    bar.close()
+                    live = Stream(self.console)
                 piece = Text()
                 piece.append(chunk.draft_text, SOURCE_STYLES.get(chunk.source, DRAFT_STYLE) if self.color else "")
                 piece.append(chunk.target_text, TARGET_STYLE if self.color else "")
@@ -288,6 +324,9 @@ class ChatUI:
                     self.console.print(piece, end="")
         finally:
             signal.signal(signal.SIGINT, previous)
+            engine.on_prefill = None
+            if bar is not None:
+                bar.close()
             if live:
                 live.close()
         self.console.print()
@@ -301,30 +340,26 @@ class ChatUI:
         )
 
 
-class _Stream:
-    """Live area: the reply's unfinished last row plus a status line; finished rows scroll up."""
+def _new_chat_path() -> Path:
+    """chat-DATE-TIME.safetensors in the current directory (a name not taken yet)."""
+    stem = time.strftime("chat-%Y%m%d-%H%M%S")
+    path, n = Path.cwd() / f"{stem}.safetensors", 1
+    while path.exists():
+        n += 1
+        path = Path.cwd() / f"{stem}-{n}.safetensors"
+    return path
 
-    def __init__(self, console: Console):
-        self.console = console
-        self.current = Text()
-        self.status = ""
-        self.live = Live(console=console, refresh_per_second=12, transient=True)
-        self.live.start()
 
-    def add(self, piece: Text, status: str) -> None:
-        self.current.append_text(piece)
-        self.status = status
-        rows = self.current.wrap(self.console, max(self.console.width, 1), overflow="fold")
-        for row in rows[:-1]:
-            self.live.console.print(row, soft_wrap=True)
-        self.current = rows[-1] if len(rows) else Text()
-        if self.current.plain.endswith("\n"):  # wrap keeps no empty last row for a trailing newline
-            self.current = Text()
-        self.live.update(Group(self.current, Text(self.status, style="dim")))
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
 
-    def close(self) -> None:
-        self.live.stop()
-        self.console.print(self.current, end="")
+
+def _loaded(engine: Any, path: Path) -> str:
+    """What a loaded conversation holds, in one line."""
+    return f"loaded {len(engine.messages)} messages ({engine.context_used()} tokens cached) from {escape(str(path))}"
 
 
 def _number(arg: str, kind: type, name: str, low: float, high: float | None = None) -> Any:
@@ -368,6 +403,7 @@ def _history(console: Console) -> None:
 
 @app.command()
 def chat(
+    ctx: typer.Context,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Target: short name, Hugging Face repo id or mlx-lm directory (default: the embedded SmolLM2-135M-Instruct).")] = None,
     draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter: directory or repo id.")] = None,
     quantize: Annotated[bool, typer.Option("--quantize", "-q", help="Quantize the target (see --q-bits).")] = False,
@@ -383,6 +419,7 @@ def chat(
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,
     lookup: Annotated[bool | None, typer.Option("--lookup/--no-lookup", help="Prompt lookup: also verify tokens read off the conversation, when auto expects them to pay (default: on, off with --no-draft).")] = None,
+    resume: Annotated[str | None, typer.Option("--resume", help="Go on with a conversation /save wrote (its messages, settings and caches: nothing is recomputed). Needs the same target and drafter; options given here override its saved settings.")] = None,
 ) -> None:
     """Chat with a model in the terminal; each accepted draft block appears at once.
 
@@ -402,6 +439,11 @@ def chat(
     engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration, prompt_lookup=prompt_lookup)
     for line in lines:
         console.print(line, highlight=False)
+    if resume is not None:
+        with console.status(escape(f"loading {resume}")):
+            engine.load(Path(resume).expanduser())
+        _override(ctx, engine, settings)
+        console.print(f"[dim]{_loaded(engine, Path(resume))}[/]", highlight=False, soft_wrap=True)
     legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("looked up", LOOKUP_STYLE), " / ",
                            ("target", TARGET_STYLE)) if not no_color else ""
     console.print(Text.assemble(
@@ -410,4 +452,18 @@ def chat(
     ), highlight=False)
     if console.is_terminal:
         _history(console)
-    ChatUI(console, engine, color=not no_color).run()
+    ChatUI(console, engine, color=not no_color, path=Path(resume).expanduser() if resume else None).run()
+
+
+def _override(ctx: typer.Context, engine: Any, given: Any) -> None:
+    """The options given on the command line replace a resumed conversation's saved settings."""
+
+    def set_here(name: str) -> bool:
+        source = ctx.get_parameter_source(name)  # (by name: Typer may carry its own copy of Click's enum)
+        return source is not None and source.name != "DEFAULT"
+
+    for name in ("temp", "top_p", "top_k", "min_p", "max_tokens", "system"):
+        if set_here(name):
+            setattr(engine.settings, name, getattr(given, name))
+    if set_here("block_size"):
+        engine.set_block_size(given.block_size)

@@ -1,7 +1,8 @@
 """mlx-dflash: DFlash block-diffusion speculative decoding for MLX.
 
 The top level is the public API: `load`, `load_drafter`, `generate`, `stream_generate`
-(`generate.py`), the multi-turn `chat.ChatEngine` and the `doctor`'s checks. `session`,
+(`generate.py`), the multi-turn `chat.ChatEngine`, `save_session` / `load_session` (a
+session's caches in a file, `decoding.session_file`) and the `doctor`'s checks. `session`,
 `policy` and `calibration` are the documented paths of `decoding.session`, `auto.policy`
 and `auto.calibration`, re-exported. Everything else lives in one subpackage per concern,
 each importing only the ones listed below it:
@@ -29,6 +30,7 @@ _setup_platform()  # must precede the first `import mlx.core` (Linux OpenBLAS)
 
 try:
     from .decoding.loop import GenerationEvent
+    from .decoding.session_file import SessionFileError, load_session, save_session
     from .decoding.stats import GenerationStats
     from .drafters.dflash import DFlashDraftModel, ModelArgs
     from .drafters.dflash2 import DFlash2DraftModel
@@ -49,11 +51,14 @@ __all__ = [
     "GenerationStats",
     "IncompatibleDrafterError",
     "ModelArgs",
+    "SessionFileError",
     "TargetModel",
     "check_compatible",
     "generate",
     "load",
     "load_drafter",
+    "load_session",
+    "save_session",
     "stream_generate",
     "supported_model_types",
 ]

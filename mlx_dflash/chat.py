@@ -6,12 +6,18 @@ recomputed. When the template re-renders past turns differently from what was
 generated (end-of-turn markers, stripped thinking, a changed system message), the
 session is rolled back to the common prefix first: the state always equals a fresh
 session fed the same rendered history.
+
+`save` writes the conversation with its caches to one file (`decoding.session_file`) and
+`load` continues it in a later process, on the same models, without recomputing a token:
+its next turn feeds only the new message. `on_prefill` is told a prompt's progress chunk by
+chunk (the CLI draws a bar for a long one).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 import mlx.nn as nn
@@ -19,7 +25,9 @@ from mlx_lm.sample_utils import make_sampler
 
 from .auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
 from .decoding.loop import GenerationEvent, stream_session
-from .decoding.session import DecodingSession, common_prefix
+from .decoding.prefix_marks import mark_positions, turn_openers
+from .decoding.session import DecodingSession, PrefillCancelled, common_prefix
+from .decoding.session_file import SessionFileError, load_session, model_fingerprint, read_header, save_session
 from .decoding.stats import CycleSummary, GenerationStats
 from .decoding.stream_guard import guarded
 from .drafters.dflash import DFlashDraftModel
@@ -27,6 +35,8 @@ from .errors import DFlashError
 from .platform.runtime import wired_limit
 from .proposers.factory import check_block_size, make_lookup, make_proposer
 from .targets.model import TargetModel, as_target
+
+CHAT_FORMAT = 1  # the version of what `ChatEngine.save` puts in a session file's metadata
 
 
 class ContextOverflowError(DFlashError):
@@ -157,15 +167,28 @@ class ChatEngine:
         if not getattr(tokenizer, "chat_template", None):
             raise DFlashError("this model's tokenizer has no chat template; chat needs one")
         self.stop = set(tokenizer.eos_token_ids)
+        self.openers = turn_openers(tokenizer)  # where messages open: marks go there (recurrent targets)
         self.messages: list[dict[str, str]] = []
         self.totals = SessionTotals()
         self._stop_requested = False
+        # Told (positions computed, positions to compute) as a prompt is prefilled: (0, n) first, then
+        # after each chunk. The CLI draws a progress bar for a long prompt.
+        self.on_prefill: Callable[[int, int], None] | None = None
+        self._fingerprints: dict[str, str] = {}
         self.session = self._new_session()
 
     # -- state ---------------------------------------------------------------------------
     def _new_session(self) -> DecodingSession:
         proposer = make_proposer(self.target, self.draft_model, self.max_block_size)
-        return DecodingSession(self.target, proposer, lookup=make_lookup(self.prompt_lookup))
+        session = DecodingSession(self.target, proposer, lookup=make_lookup(self.prompt_lookup))
+        session.progress = self._prefill_progress  # also a rolled-back hybrid target's recomputed prefix
+        if self.target.world is None:  # (distributed, every rank would have to agree at every chunk)
+            session.cancel_check = lambda: self._stop_requested  # a long prefill stops at its next chunk
+        return session
+
+    def _prefill_progress(self, fed: int, total: int) -> None:
+        if self.on_prefill is not None:
+            self.on_prefill(fed, total)
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and every cache."""
@@ -194,8 +217,13 @@ class ChatEngine:
         if keep < 1:
             self.session = self._new_session()
         elif keep < len(tokens):
-            self.session.truncate(keep)
-        return full[len(self.session.tokens):]
+            # Recurrent and rotating caches go back to the latest mark before it (else recomputed).
+            self.session.truncate(self.session.reachable(keep) or keep)
+        new = full[len(self.session.tokens):]
+        if not self.session.rewindable:  # marks: the state before this turn, message openers, the prompt's end
+            start = len(self.session.tokens)
+            self.session.mark_at = {start - 1, len(full) - 2, *mark_positions(full, start, self.openers)}
+        return new
 
     def set_block_size(self, n: int | str | None) -> None:
         """"auto" (None too) or a fixed size; the policy's record then spans the conversation."""
@@ -236,6 +264,7 @@ class ChatEngine:
         max_tokens = self.settings.max_tokens if room is None else min(self.settings.max_tokens, room)
         new = self.sync(full)
         reused = len(self.session.tokens)
+        self._prefill_progress(0, len(new) + min(reused, 1))  # `extend` computes the pending token too
         self.messages.append({"role": "user", "content": text})
         s = self.settings
         sampler = make_sampler(s.temp, top_p=s.top_p, min_p=s.min_p, top_k=s.top_k)
@@ -245,25 +274,28 @@ class ChatEngine:
         )
         generated: list[int] = []
         pieces = IncrementalText(self.tokenizer.decode)
-        finish, event, reply = "interrupted", None, ""
+        finish, event, reply, cut = "interrupted", None, "", False
 
         def store(consistent: bool) -> None:
             nonlocal reply
-            reply = self._finish_turn(generated, finish, keep_partial, reused, consistent)
+            reply = self._finish_turn(generated, finish, keep_partial, reused, consistent, cut)
 
         with wired_limit([self.target.model, self.draft_model]), guarded(stream, store) as events:
-            for event in events:
-                split = event.num_draft_accepted
-                draft_text = pieces.add(event.tokens[:split])
-                target_text = pieces.add(event.tokens[split:])
-                generated += event.tokens
-                yield ChatEvent(draft_text, target_text, event)
-                if event.finish_reason:
-                    finish = event.finish_reason
-                    break
-                # Distributed, rank 0's Ctrl-C stops every rank at the same cycle.
-                if self.target.agree_int(int(self._stop_requested)):
-                    break
+            try:
+                for event in events:
+                    split = event.num_draft_accepted
+                    draft_text = pieces.add(event.tokens[:split])
+                    target_text = pieces.add(event.tokens[split:])
+                    generated += event.tokens
+                    yield ChatEvent(draft_text, target_text, event)
+                    if event.finish_reason:
+                        finish = event.finish_reason
+                        break
+                    # Distributed, rank 0's Ctrl-C stops every rank at the same cycle.
+                    if self.target.agree_int(int(self._stop_requested)):
+                        break
+            except PrefillCancelled:
+                cut = True  # stopped between prefill chunks: the chunks fed are committed, consistently
         stats = event.stats if event is not None else GenerationStats(prompt_tokens=len(new))
         self.totals.turns += 1
         self.totals.prompt_tokens += len(new)
@@ -271,8 +303,10 @@ class ChatEngine:
         return TurnResult(reply, generated, stats, finish, len(new), reused)
 
     def _finish_turn(self, generated: list[int], finish: str, keep_partial: bool, reused: int,
-                     consistent: bool) -> str:
-        """Keep the turn in the messages and the session (or drop it); returns the reply's text."""
+                     consistent: bool, cut: bool = False) -> str:
+        """Keep the turn in the messages and the session (or drop it); returns the reply's text.
+        `cut`: the prefill stopped between chunks; the session keeps what it fed (the next
+        turn's `sync` reuses it or rolls it back), which a hybrid target could not get back cheaply."""
         reply = self.tokenizer.decode(generated)
         if not consistent:
             # Stopped mid-cycle: the caches may hold uncommitted work. Start them afresh; the
@@ -280,9 +314,9 @@ class ChatEngine:
             self.session = self._new_session()
         if finish == "interrupted" and (not keep_partial or not generated):
             self.messages.pop()  # the user message goes with its dropped reply
-            if consistent and reused >= 1:
+            if consistent and not cut and reused >= 1:
                 self.session.truncate(reused)  # back to the state before this turn
-            elif consistent:
+            elif consistent and not cut:
                 self.session = self._new_session()
             return reply
         self.messages.append({"role": "assistant", "content": reply})
@@ -290,3 +324,70 @@ class ChatEngine:
 
     def context_used(self) -> int:
         return len(self.session.tokens)
+
+    # -- saved conversations ---------------------------------------------------------------
+    def fingerprint(self, drafter: bool = True) -> str:
+        """What saved caches depend on: the target's weights (and the drafter's), as
+        `session_file.model_fingerprint` reads them; computed once."""
+        key = "pair" if drafter else "target"
+        if key not in self._fingerprints:
+            self._fingerprints[key] = model_fingerprint(self.target, self.draft_model if drafter else None)
+        return self._fingerprints[key]
+
+    def save(self, path: str | Path) -> int:
+        """Write the conversation (messages, settings) and its caches to `path`, atomically;
+        returns the file's size in bytes. `load` continues it later without recomputing it."""
+        if self.target.world is not None:
+            raise DFlashError("a conversation's caches cannot be saved across ranks (each holds its own shard)")
+        if len(self.session.tokens) < 2:
+            raise DFlashError("nothing to save: no caches yet (send a message first)")
+        metadata = {"chat": CHAT_FORMAT, "messages": self.messages, "settings": asdict(self.settings),
+                    "target": self.fingerprint(drafter=False), "drafter": self.draft_model is not None}
+        try:
+            return save_session(self.session, path, fingerprint=self.fingerprint(), metadata=metadata)
+        except OSError as e:
+            raise DFlashError(f"cannot write {path}: {e.strerror or e}") from None
+
+    def load(self, path: str | Path) -> None:
+        """Continue a conversation `save` wrote: its messages, settings and caches replace these,
+        and the next turn computes only its new message. Prompt lookup may be on or off either way.
+
+        Raises `DFlashError` naming why a file does not fit (missing, not a saved chat, saved
+        with other models, damaged); this conversation is then left as it was."""
+        if self.target.world is not None:
+            raise DFlashError("a conversation's caches cannot be loaded across ranks (each holds its own shard)")
+        if not Path(path).is_file():
+            raise DFlashError(f"{path}: no such file")
+        header = read_header(path)
+        meta = header.metadata
+        if "chat" not in meta:
+            raise SessionFileError(f"{path}: a session file, but not a saved chat")
+        if meta["chat"] != CHAT_FORMAT:
+            raise SessionFileError(f"{path}: a chat saved in format {meta['chat']!r}; this version reads {CHAT_FORMAT}")
+        if meta.get("target") != self.fingerprint(drafter=False):
+            raise SessionFileError(f"{path}: saved with another target model (or another dtype or quantization)")
+        if meta.get("drafter") != (self.draft_model is not None):
+            raise SessionFileError(f"{path}: saved {'with' if meta.get('drafter') else 'without'} a drafter; "
+                                   f"this chat has {'one' if self.draft_model is not None else 'none'}")
+        if header.fingerprint != self.fingerprint():
+            raise SessionFileError(f"{path}: saved with another drafter")
+        messages, settings = _saved_chat(path, meta)
+        session, _ = load_session(path, self._new_session, fingerprint=self.fingerprint())
+        self.settings = settings
+        try:
+            self.set_block_size(settings.block_size)
+        except DFlashError:  # a size this chat's proposers cannot take (prompt lookup is off now)
+            self.set_block_size(AUTO)
+        self.messages, self.session, self.totals = messages, session, SessionTotals()
+
+
+def _saved_chat(path: str | Path, meta: dict[str, Any]) -> tuple[list[dict[str, str]], ChatSettings]:
+    """The messages and settings of a saved chat's metadata, checked (a damaged file raises)."""
+    messages, saved = meta.get("messages"), meta.get("settings")
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ) or not isinstance(saved, dict):
+        raise SessionFileError(f"{path}: its messages or settings are damaged")
+    names = {f.name for f in fields(ChatSettings)}
+    return messages, ChatSettings(**{k: v for k, v in saved.items() if k in names})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import pytest
 from helpers.tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
@@ -359,3 +361,49 @@ def test_the_store_step_the_chat_and_the_server_share():
 
     assert run("break") == run("close") == run("end") == ["closed", True]
     assert run("raise") == ["closed", False]
+
+
+def test_a_dropped_turn_on_a_hybrid_target_goes_back_to_its_mark_without_recomputing(tmp_path):
+    """A stopped reply dropped with its message (keep_partial=False) rolls a GatedDeltaNet session back
+    to the mark kept before the turn: the next turn computes only its own message, and equals a chat
+    that never had the dropped turn."""
+    from helpers.families import build
+    from helpers.tiny import tiny_tokenizer
+
+    class Counting(TargetModel):
+        fed: list[int] = []
+
+        def forward(self, tokens, cache, *args, **kwargs):
+            self.fed.append(tokens.shape[1])
+            return super().forward(tokens, cache, *args, **kwargs)
+
+    tokenizer = tiny_tokenizer(tmp_path / "tok")
+    model = build("qwen3_5", seed=3)
+    drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
+
+    def chat():
+        target = Counting(model)
+        target.fed = []
+        return ChatEngine(target, tokenizer, drafter, ChatSettings(max_tokens=12, temp=0.0)), target
+
+    def finish(turn):
+        while True:
+            try:
+                next(turn)
+            except StopIteration as done:
+                return done.value
+
+    engine, target = chat()
+    finish(engine.send("What is a cache?"))
+    before = list(engine.session.tokens)
+    dropped = engine.send("Something long I will stop.", keep_partial=False)
+    next(dropped)  # the prefill and the first tokens
+    dropped.close()  # stopped, and dropped with its message
+    assert engine.session.tokens == before and engine.session.marks
+    target.fed.clear()
+    third = finish(engine.send("Another question?"))
+    assert third.new_tokens + 1 in itertools.accumulate(target.fed)  # no recomputation of the first turn
+    assert target.fed[0] <= third.new_tokens + 1
+    reference, _ = chat()
+    finish(reference.send("What is a cache?"))
+    assert finish(reference.send("Another question?")).tokens == third.tokens

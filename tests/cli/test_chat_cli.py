@@ -122,7 +122,7 @@ def test_every_slash_command(pair, tmp_path):
                  "top-p 0.8", "/max-tokens must be >= 1", "max tokens 5", "exceeds the drafter's",
                  "block size 3", "/think takes on or off", "thinking off", "block size auto", "colours off",
                  "system message set",
-                 "unknown command /bogus", "/save needs a file name", "saved 3 messages", "conversation reset",
+                 "unknown command /bogus", "nothing to save: no caches yet", "saved 3 messages", "conversation reset",
                  "0 turns, 0 prompt tokens computed"]:
         assert line in out, line
     assert "never sent" not in out and len(summaries(out)) == 1
