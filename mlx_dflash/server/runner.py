@@ -47,8 +47,11 @@ _HANDLER.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))  # as uvi
 
 def _show_package_log(level: str) -> None:
     """The package's own log lines (logger "mlx_dflash": a long prefill's progress, why a request
-    decodes alone, the disk tier) on stderr beside uvicorn's, from `level` up (`--log-level`)."""
+    decodes alone, the disk tier) on stderr beside uvicorn's. They are few, so at the default
+    level (warning) they show from info up; `--log-level error` keeps only errors."""
     number = LOG_LEVELS.get(level.lower(), logging.WARNING)
+    if number <= logging.WARNING:
+        number = min(number, logging.INFO)
     _HANDLER.setLevel(number)
     _HANDLER.setStream(sys.stderr)  # today's: a test's capture, or the process's
     logger = logging.getLogger("mlx_dflash")
