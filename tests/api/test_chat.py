@@ -6,24 +6,12 @@ import itertools
 
 import mlx.core as mx
 import pytest
+from helpers.families import CountingTarget
 from helpers.tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
 
 import mlx_dflash
 from mlx_dflash.chat import ChatEngine, ChatSettings, ContextOverflowError, IncrementalText
 from mlx_dflash.errors import DFlashError
-from mlx_dflash.targets.model import TargetModel
-
-
-class CountingTarget(TargetModel):
-    """Records how many positions each target forward pass computes."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.fed: list[int] = []
-
-    def forward(self, tokens, cache, *args, **kwargs):
-        self.fed.append(tokens.shape[1])
-        return super().forward(tokens, cache, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -370,20 +358,12 @@ def test_a_dropped_turn_on_a_hybrid_target_goes_back_to_its_mark_without_recompu
     from helpers.families import build
     from helpers.tiny import tiny_tokenizer
 
-    class Counting(TargetModel):
-        fed: list[int] = []
-
-        def forward(self, tokens, cache, *args, **kwargs):
-            self.fed.append(tokens.shape[1])
-            return super().forward(tokens, cache, *args, **kwargs)
-
     tokenizer = tiny_tokenizer(tmp_path / "tok")
     model = build("qwen3_5", seed=3)
     drafter = tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
 
     def chat():
-        target = Counting(model)
-        target.fed = []
+        target = CountingTarget(model)
         return ChatEngine(target, tokenizer, drafter, ChatSettings(max_tokens=12, temp=0.0)), target
 
     def finish(turn):

@@ -7,7 +7,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
-from helpers.families import build
+from helpers.families import CountingTarget, build, cached_pair
 from helpers.tiny import tiny_drafter, tiny_tokenizer
 
 import mlx_dflash
@@ -21,18 +21,6 @@ SPECIALS = {0, 1, 3}  # decode to markup that does not re-encode to the same ids
 SECOND = "And a second one, please?"
 
 
-class CountingTarget(TargetModel):
-    """Records how many positions each target forward pass computes."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.fed: list[int] = []
-
-    def forward(self, tokens, cache, *args, **kwargs):
-        self.fed.append(tokens.shape[1])
-        return super().forward(tokens, cache, *args, **kwargs)
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     return tiny_tokenizer(tmp_path_factory.mktemp("tokenizer"))
@@ -41,11 +29,7 @@ def tokenizer(tmp_path_factory):
 @pytest.fixture(scope="module")
 def models():
     """Per family: a target and a drafter for it."""
-    out = {}
-    for family in ("qwen3", "qwen3_5"):
-        model = build(family, seed=3)
-        out[family] = model, tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
-    return out
+    return {family: cached_pair(family) for family in ("qwen3", "qwen3_5")}
 
 
 def run_turn(engine: ChatEngine, text: str):

@@ -32,15 +32,6 @@ SUMMARY = re.compile(
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    model = tiny_target("qwen3", seed=0)
-    target = save_target(model, "qwen3", root / "target")
-    drafter = save_drafter(tiny_drafter(model), drafter_config(model), root / "drafter")
-    return str(target), str(drafter)
-
-
-@pytest.fixture(scope="module")
 def endless(tmp_path_factory):
     """A target that never ends a reply by itself (its end-of-sequence row is zero), with a long context."""
     root = tmp_path_factory.mktemp("endless")

@@ -7,8 +7,6 @@ import io
 import json
 import re
 
-import pytest
-from helpers.tiny import drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx_dflash.cli import chat_display
 from mlx_dflash.cli.chat_cmd import ChatUI
 from mlx_dflash.cli.main import _register, app
@@ -23,15 +21,6 @@ from mlx_dflash.errors import DFlashError
 
 _register()
 SUMMARY = re.compile(r"(\d+) tokens · [\d.]+ tok/s · .*? · prefill (\d+) new tokens \((\d+) cached\)")
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat")
-    model = tiny_target("qwen3", seed=0)
-    target = save_target(model, "qwen3", root / "target")
-    drafter = save_drafter(tiny_drafter(model), drafter_config(model), root / "drafter")
-    return str(target), str(drafter)
 
 
 def chat(pair, script: str, *options: str):

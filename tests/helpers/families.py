@@ -15,6 +15,7 @@ from mlx_lm.utils import _get_classes
 
 from helpers.tiny import FAMILY_CONFIGS, VOCAB, _randomize, tiny_drafter, tiny_target
 from mlx_dflash.decoding.session import DecodingSession
+from mlx_dflash.targets.model import TargetModel
 
 H = 64
 WINDOW = 8  # sliding window of the tiny gpt-oss / Gemma targets: blocks straddle it
@@ -131,3 +132,22 @@ def cached_drafter(family: str, seed: int = 1, block_size: int = 8, mask_token_i
                    num_layers: int = 2):
     return tiny_drafter(cached_target(family), seed=seed, block_size=block_size,
                         mask_token_id=mask_token_id, num_layers=num_layers)
+
+
+class CountingTarget(TargetModel):
+    """Records how many positions each target forward pass computes (what a cache spared)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.fed: list[int] = []
+
+    def forward(self, tokens, cache, *args, **kwargs):
+        self.fed.append(tokens.shape[1])
+        return super().forward(tokens, cache, *args, **kwargs)
+
+
+@functools.cache
+def cached_pair(family: str, seed: int = 3):
+    """A target of `family` (attention or hybrid) and a DFlash drafter reading its layers 0 and 3."""
+    model = build(family, seed=seed)
+    return model, tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])

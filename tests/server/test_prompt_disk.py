@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from helpers.engine_runs import expected, prompts, serve_all
-from helpers.families import build
+from helpers.families import cached_pair
 from helpers.serverkit import free_port
 from helpers.tiny import FakeTokenizer, drafter_config, save_drafter, save_target, tiny_drafter, tiny_target
 from mlx_dflash.cli.main import _register, app
@@ -34,11 +34,7 @@ LOG = "mlx_dflash"
 @pytest.fixture(scope="module")
 def models():
     """family -> (target, drafter): an attention target with a DFlash drafter, and a hybrid one."""
-    out = {}
-    for family in ("qwen3", "qwen3_5"):
-        model = build(family, seed=3)
-        out[family] = model, tiny_drafter(model, block_size=6, target_layer_ids=[0, 3])
-    return out
+    return {family: cached_pair(family) for family in ("qwen3", "qwen3_5")}
 
 
 def engine_for(models, family: str, directory: Path | None, **config) -> Engine:

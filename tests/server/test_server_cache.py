@@ -7,7 +7,7 @@ import itertools
 
 import openai
 import pytest
-from helpers.families import build
+from helpers.families import CountingTarget, build
 from helpers.serverkit import MODEL_ID, LiveServer
 from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_tokenizer
 
@@ -16,18 +16,6 @@ from mlx_dflash.server.worker.prompt_cache import PromptCache, session_bytes
 from mlx_dflash.targets.model import TargetModel
 
 SPECIALS = {0, 1, 3}  # decode to markup that does not re-encode to the same ids
-
-
-class CountingTarget(TargetModel):
-    """Records how many positions each target forward pass computes."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.fed: list[int] = []
-
-    def forward(self, tokens, cache, *args, **kwargs):
-        self.fed.append(tokens.shape[1])
-        return super().forward(tokens, cache, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")

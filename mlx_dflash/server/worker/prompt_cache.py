@@ -116,13 +116,7 @@ class PromptCache:
             session = clone_session(session)
             if session is None:
                 return self.new_session(), 0
-            before = session.cache
-            session.truncate(keep)
-            if session.cache is not before:  # the drafter's window refused: recomputed from scratch
-                return session, 0
-        # The pending token is in no cache (the session invariant): replacing it costs nothing.
-        session.tokens[-1] = prompt[keep - 1]
-        return session, keep - 1
+        return _resumed(session, keep, prompt)
 
     def _from_disk(self, prompt: list[int], memory: int) -> tuple[DecodingSession, int] | None:
         """`fetch`'s answer from the disk tier, when a file keeps enough more of `prompt` than
@@ -131,14 +125,7 @@ class PromptCache:
         session = self.disk.load(found[1], self.new_session) if found is not None else None
         if session is None:
             return None
-        keep = found[0]
-        if keep < len(session.tokens):
-            before = session.cache
-            session.truncate(keep)
-            if session.cache is not before:  # the drafter's window refused: recomputed from scratch
-                return session, 0
-        session.tokens[-1] = prompt[keep - 1]
-        return session, keep - 1
+        return _resumed(session, found[0], prompt)
 
     def mark(self, session: DecodingSession, new: list[int]) -> None:
         """Before `new` (the prompt after the session's tokens) is fed to a session that cannot be
@@ -187,6 +174,19 @@ class PromptCache:
         self._entries.clear()
         self.nbytes = 0
         mx.clear_cache()
+
+
+def _resumed(session: DecodingSession, keep: int, prompt: list[int]) -> tuple[DecodingSession, int]:
+    """`session` (owned by the request) rolled back to its first `keep` tokens for `prompt`, and the
+    prompt positions its caches hold."""
+    if keep < len(session.tokens):
+        before = session.cache
+        session.truncate(keep)
+        if session.cache is not before:  # the drafter's window refused: recomputed from scratch
+            return session, 0
+    # The pending token is in no cache (the session invariant): replacing it costs nothing.
+    session.tokens[-1] = prompt[keep - 1]
+    return session, keep - 1
 
 
 def until_cancelled(stream: Iterator[GenerationEvent]) -> Iterator[GenerationEvent]:
