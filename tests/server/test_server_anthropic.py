@@ -243,3 +243,23 @@ def test_later_system_messages_join_the_system_prompt_where_the_template_refuses
     state = ServerState(SimpleNamespace(tokenizer=pair[1]), MODEL_ID)
     assert anthropic_api.count_request(state, body) == list(
         pair[1].apply_chat_template(AS_TEMPLATE_MESSAGES, add_generation_prompt=True))
+
+
+def test_claude_codes_billing_line_is_not_part_of_the_prompt(pair, client):
+    """Claude Code's per-session billing line differs between sessions: dropped, two sessions with the
+    same system prompt render the same prompt (and share its cache); the reply is the one without it."""
+    messages = [{"role": "user", "content": "Hello"}]
+    system = [{"type": "text", "text": "You are a coding agent."}]
+
+    def rendered(suffix: str) -> list[dict]:
+        billing = {"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.197.{suffix};"}
+        return anthropic_api.template_messages({"system": [billing, *system], "messages": messages})
+
+    alone = anthropic_api.template_messages({"system": system, "messages": messages})
+    assert rendered("e77") == rendered("7a9") == alone
+    assert anthropic_api.template_messages({"system": "x-anthropic-billing-header: a", "messages": messages}) == [
+        {"role": "user", "content": "Hello"}]
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.e77;"}
+    one = client.messages.create(model=MODEL_ID, max_tokens=8, system=[billing, *system], messages=messages)
+    two = client.messages.create(model=MODEL_ID, max_tokens=8, system=system, messages=messages)
+    assert one.content[0].text == two.content[0].text

@@ -29,6 +29,10 @@ from ..worker.jobs import Finished, GenerationRequest, Step
 MEDIA_BLOCKS = ("image", "document", "search_result", "container_upload")
 THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")
 BLOCK_JOIN = "\n\n"  # between text blocks of one system prompt, message or tool result
+# Claude Code opens its system prompt with a billing line for Anthropic's API (a client version and
+# a per-session suffix), not an instruction: kept, it would make every session's prompt differ a few
+# tokens in, so no session could reuse another's cached system prompt and tools.
+BILLING_HEADER = "x-anthropic-billing-header:"
 
 
 @dataclass
@@ -67,6 +71,15 @@ def _text_of(content: Any, where: str) -> str:
             raise fields.bad(f"{where}.{i}", f"'{where}.{i}' must be a text block here")
         texts.append(block["text"])
     return BLOCK_JOIN.join(texts)
+
+
+def _without_billing(system: Any) -> Any:
+    """The `system` field without Claude Code's billing line (`BILLING_HEADER`)."""
+    if isinstance(system, str):
+        return "" if system.startswith(BILLING_HEADER) else system
+    if isinstance(system, list):
+        return [b for b in system if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_HEADER))]
+    return system
 
 
 def _tool_result(block: dict, where: str) -> dict:
@@ -123,7 +136,7 @@ def template_messages(body: dict, fold_system: bool = False) -> list[dict]:
     messages = fields.array(body, "messages", required=True)
     if not messages:
         raise fields.bad("messages", "'messages' must hold at least one message")
-    system = [_text_of(body.get("system"), "system")] if body.get("system") else []
+    system = [_text_of(_without_billing(body.get("system")), "system")] if body.get("system") else []
     out: list[dict] = []
     for i, message in enumerate(messages):
         where = f"messages.{i}"
