@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -26,6 +25,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agent_replay.server import ServeProcess  # noqa: E402
+from bench_cycle import machine  # noqa: E402
 
 WORDS = ("cache", "prefill", "token", "draft", "verify", "block", "target", "layer", "window", "state", "agent",
          "restart", "disk", "memory", "prompt", "reply", "model", "tensor", "kernel", "metal")
@@ -36,7 +36,8 @@ def fresh_prompt(rng: random.Random, words: int) -> str:
 
 
 def ttft(client: httpx.Client, url: str, text: str) -> tuple[float, int, int]:
-    """Seconds to the first streamed token of a one-token reply to `text`; its prompt and cached tokens."""
+    """Seconds to the first streamed text of a one-token reply to `text` (the role comes first, at once);
+    its prompt and cached tokens."""
     body = {"model": "m", "max_tokens": 1, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "messages": [{"role": "user", "content": text}]}
     start = time.perf_counter()
@@ -47,7 +48,7 @@ def ttft(client: httpx.Client, url: str, text: str) -> tuple[float, int, int]:
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
-            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content") is not None:
+            if first is None and chunk.get("choices") and chunk["choices"][0]["delta"].get("content"):
                 first = time.perf_counter() - start
             usage = chunk.get("usage") or usage
     details = usage.get("prompt_tokens_details") or {}
@@ -86,7 +87,7 @@ def main() -> int:
             finally:
                 print(f"  {server.stop(120)}; disk tier: {disk if setting == 'on' else 'off'}", flush=True)
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
-    print(f"machine: {platform.processor() or platform.machine()}, {platform.system()}")
+    print(f"machine: {machine()}")
     print(f"median TTFT of a miss: disk tier on {on:.2f} s, off {off:.2f} s: {on / off:.3f}x "
           f"(goal <= 1.05x) over {len(times['on'])} + {len(times['off'])} requests")
     if args.json:
