@@ -9,7 +9,7 @@ exactly what feeding its first `length - 1` tokens left.
 
 Marks are placed where prompts are shared: before each message opens (the end of a
 system prompt and its tools is where agents' sessions and sub-agents part) and every
-`MARK_EVERY` positions of a long stretch without one. They are few and bounded
+`MARK_EVERY` positions of a long stretch without one after the first. They are few and bounded
 (`MAX_MARKS`): the first two are kept (a system prompt's end, its first turn's) and
 the latest ones.
 """
@@ -54,16 +54,18 @@ def turn_openers(tokenizer: Any) -> set[int]:
 def mark_positions(prompt: Sequence[int], start: int, openers: Iterable[int] = (),
                    every: int = MARK_EVERY) -> list[int]:
     """Cache positions to mark while feeding `prompt[start:]`: before each message opener,
-    and every `every` positions where no opener came for that long. A position p means the
-    caches hold `prompt[:p]` (so p >= 2: a shorter mark saves nothing)."""
+    and every `every` positions where no opener came for that long, from the first opener on
+    (so the first marks, which thinning keeps, are where messages part: a system prompt's end).
+    A position p means the caches hold `prompt[:p]` (so p >= 2: a shorter mark saves nothing)."""
     openers = set(openers)
+    first = next((p for p in range(max(start, 2), len(prompt)) if prompt[p] in openers), start)
     marks: list[int] = []
-    last = start
+    last = first
     for p in range(max(start, 2), len(prompt)):
         if prompt[p] in openers:
             marks.append(p)
             last = p
-        elif every and p - last >= every:
+        elif every and p > first and p - last >= every:
             marks.append(p)
             last = p
     return marks

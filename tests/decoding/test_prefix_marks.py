@@ -104,3 +104,25 @@ def test_rewindable_targets_keep_no_marks():
 
 def test_hybrid_configs_cover_recurrent_and_rotating():
     assert {"qwen3_5", "gpt_oss", "gemma3_text"} <= set(HYBRID_CONFIGS)
+
+
+def test_stride_marks_start_at_the_first_message_boundary():
+    prompt = [5] * 30 + [OPENER] + [6] * 30
+    assert mark_positions(prompt, 0, {OPENER}, every=10) == [30, 40, 50, 60]
+    assert mark_positions([5] * 30, 0, {OPENER}, every=10) == [10, 20]  # no opener: stride from the start
+
+
+def test_a_long_system_prompts_end_stays_marked_however_long_the_conversation():
+    """The mark a new session with the same system prompt needs (its end) is never thinned away, even
+    when the system prompt is long enough for stride marks and many turns follow."""
+    session = hybrid_session("qwen3_5", drafter=False)
+    system = [1] + [5, 9, 4] * 10  # 31 tokens without an opener: stride marks would fall inside
+    full = list(system)
+    for turn in range(MAX_MARKS + 2):
+        full += [OPENER, 8, 2 + turn % 5, 6, OPENER, 3]
+        start = len(session.tokens)
+        session.mark_at = set(mark_positions(full, start, {OPENER}, every=10))
+        session.extend(full[start:], GREEDY)
+        full = list(session.tokens)
+    lengths = [m.length for m in session.marks]
+    assert len(lengths) == MAX_MARKS and lengths[0] == len(system) + 1  # cache held the system prompt
