@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mlx_dflash.auto.policy import AUTO
+from mlx_dflash.auto.policy import AUTO, parse_tree_budget, parse_tree_shape
 from mlx_dflash.errors import DFlashError
 
 from .app import app, err_console
@@ -50,6 +50,26 @@ def parse_block_sizes(values: list[str] | None) -> list[int | str]:
     return list(dict.fromkeys(sizes))
 
 
+def _parts(values: list[str] | None) -> list[str]:
+    return [part for v in values or [] for part in v.replace(" ", "").split(",") if part]
+
+
+def parse_tree_budgets(values: list[str] | None) -> list[int | str]:
+    """'0,16,auto' -> [0, 16, 'auto'] (repeatable, comma-separated; 0: linear blocks)."""
+    try:
+        return list(dict.fromkeys(parse_tree_budget(part) for part in _parts(values)))
+    except DFlashError as e:
+        raise DFlashError(f"--tree-budget takes 0, auto or node counts like 16,32: {e}") from None
+
+
+def parse_tree_shapes(values: list[str] | None) -> list[str]:
+    """'spine,paper' -> ['spine', 'paper'] (repeatable, comma-separated)."""
+    try:
+        return list(dict.fromkeys(parse_tree_shape(part) for part in _parts(values)))
+    except DFlashError as e:
+        raise DFlashError(f"--tree-shape: {e}") from None
+
+
 def parse_rates(text: str | None) -> list[float]:
     try:
         return [float(x) for x in (text or "").replace(" ", "").split(",") if x]
@@ -73,14 +93,16 @@ def _paired_cell(paired: dict | None) -> str:
 
 
 def results_table(rows: list[dict]) -> Table:
-    from mlx_dflash.bench.report import cycle_text, sizes_text
+    from mlx_dflash.bench.report import cycle_text, has_trees, sizes_text, tree_text
 
+    trees = has_trees(rows)  # a column of tree sizes only when a tree mode ran
     table = Table(title="dflash-mlx bench (median over repeats, range in brackets; vs target: pooled over the "
                         "same runs, 90% interval in brackets)", header_style="bold")
     for name, justify in [("dataset", "left"), ("ctx", "right"), ("mode", "left"), ("tau", "right"),
                           ("decode tok/s", "right"), ("speedup", "right"), ("vs target", "right"),
                           ("TTFT s", "right"), ("peak GB", "right"), ("ms/cycle", "right"),
-                          ("block sizes", "left"), ("pred tok/s", "right"), ("ok", "center")]:
+                          ("block sizes", "left"), *([("tree nodes", "right")] if trees else []),
+                          ("pred tok/s", "right"), ("ok", "center")]:
         table.add_column(name, justify=justify, no_wrap=name in ("dataset", "mode", "ok"))
     for r in rows:
         cyc = r["cycle_ms"]
@@ -89,7 +111,7 @@ def results_table(rows: list[dict]) -> Table:
             _cell(r["decode_tps"], ".1f"), _cell(r["speedup"], ".2f", "x") if r["mode"] != "mlx-lm" else "-",
             _paired_cell(r["paired_vs_target"]) if r["mode"] != "target" else "-",
             _cell(r["ttft_s"], ".3f"), f"{r['peak_memory_gb']:.2f}", cycle_text(cyc),
-            sizes_text(r["block_size_histogram"]),
+            sizes_text(r["block_size_histogram"]), *([tree_text(r)] if trees else []),
             f"{r['predicted_tps']:.1f}" if r["predicted_tps"] is not None else "-",
             "[green]yes[/]" if not r["mismatches"] else f"[bold red]{r['mismatches']} differ[/]",
         )
@@ -105,6 +127,8 @@ def bench(
     limit: Annotated[int, typer.Option("--limit", min=0, help="First N prompts of each dataset (0: all).")] = 10,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate per turn.")] = 256,
     block_size: Annotated[list[str] | None, typer.Option("--block-size", help="Block size(s) to compare: auto and/or N, repeat or comma-separate, e.g. auto,16,8,4,1 (default: auto).")] = None,
+    tree_budget: Annotated[list[str] | None, typer.Option("--tree-budget", help="Draft-tree budget(s) to compare at every --block-size: 0 (linear blocks), N (trees of N nodes) or auto (auto weighs trees too; a fixed block size then stays linear), e.g. 0,16,32,auto (default: 0). A drafter or target that cannot verify trees: its N modes are skipped with a note, auto runs linear.")] = None,
+    tree_shape: Annotated[list[str] | None, typer.Option("--tree-shape", help="Draft-tree shape(s): spine | paper, repeat or comma-separate (default: spine).")] = None,
     oracle_q: Annotated[str | None, typer.Option("--oracle-q", help="Benchmark-only proposers of known quality: the target's own greedy continuation with each position wrong at rate q (the same positions for every block size), e.g. 0.05,0.2,0.5 (greedy only; each at every --block-size).")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Split each cycle into draft/verify/other time (one extra host sync per cycle: not the loop users run).")] = False,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Sampling temperature (0: greedy, outputs checked identical).")] = 0.0,
@@ -124,6 +148,8 @@ def bench(
     import mlx_dflash
     from mlx_dflash.auto.calibration import measure
     from mlx_dflash.bench import BenchConfig, DFlashEngine, MlxLmEngine, build_document, load_prompts, run_bench
+    from mlx_dflash.bench.engines import tree_refusal
+    from mlx_dflash.bench.modes import combinations, drop_refused
     from mlx_dflash.bench.proposers import CorruptedGreedyFactory, check_oracle_rates
     from mlx_dflash.distributed.world import is_main_process
     from mlx_dflash.drafters.dflash import DEFAULT_BLOCK_SIZE as DEFAULT_DRAFT_BLOCK
@@ -135,6 +161,8 @@ def bench(
         _pyplot()  # fail before the long run, not after it
     contexts = parse_contexts(context)
     sizes = parse_block_sizes(block_size)
+    budgets = parse_tree_budgets(tree_budget) or [0]
+    shapes = parse_tree_shapes(tree_shape) or [parse_tree_shape(None)]
     rates = parse_rates(oracle_q)
     check_oracle_rates(rates, temp)
     names = dataset or ["gsm8k"]
@@ -143,18 +171,32 @@ def bench(
     target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
     if sizes and drafter is None and not rates:
         raise DFlashError("--block-size needs a --draft (or --oracle-q)")
+    if any(budgets) and drafter is None:
+        raise DFlashError("--tree-budget needs a --draft (a DFlash drafter drafts the trees)")
     sizes = sizes or [AUTO]
+
+    modes = combinations(sizes, budgets, shapes)  # (block size, tree budget, shape): linear ones have budget 0
+    skipped: list[str] = []
+    if drafter is not None and any(t for _, t, _ in modes):
+        refused = tree_refusal(target, drafter)
+        modes, skipped = drop_refused(modes, refused)
+        if not modes:  # nothing asked for can run: say so before the long run
+            raise DFlashError(f"no mode left to run: {'; '.join(skipped)} (add 0 to --tree-budget for linear blocks)")
+        for line in skipped:
+            err_console.print(f"[yellow]skipped:[/] {escape(line)}", highlight=False)
+        if refused and AUTO in budgets:
+            err_console.print(escape(f"note: --tree-budget auto runs linear blocks here: {refused}"), highlight=False)
     # No acceptance remembered from earlier runs: every run of the benchmark starts alike.
     calibration = calibration_for(target, drafter, AUTO, recall=False) if AUTO in sizes else None
     engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
     if lookup:
         engines.append(DFlashEngine(target, tokenizer, None, AUTO, lookup=True))
     if drafter is not None:
-        engines += [DFlashEngine(target, tokenizer, drafter, b, calibration=calibration, profile=profile)
-                    for b in sizes]
-        if lookup and AUTO in sizes:
-            engines.append(DFlashEngine(target, tokenizer, drafter, AUTO, calibration=calibration, profile=profile,
-                                        lookup=True))
+        engines += [DFlashEngine(target, tokenizer, drafter, b, calibration=calibration, profile=profile,
+                                 tree_budget=t, tree_shape=s) for b, t, s in modes]
+        if lookup and AUTO in sizes:  # what users get by default, with each tree setting of auto's
+            engines += [DFlashEngine(target, tokenizer, drafter, AUTO, calibration=calibration, profile=profile,
+                                     lookup=True, tree_budget=t, tree_shape=s) for b, t, s in modes if b == AUTO]
     widest = drafter.block_size if drafter is not None else DEFAULT_DRAFT_BLOCK
     oracle_calibration = None
     if rates and AUTO in sizes:  # what its cycles cost (no drafter runs), as a user's calibration would say
@@ -182,11 +224,14 @@ def bench(
         "limit": limit, "max_tokens": max_tokens, "block_sizes": sizes, "oracle_q": rates, "profile": profile,
         "temp": temp, "seed": seed, "think": think, "repeats": repeats,
         "contexts": [c for c in contexts if c], "dtype": dtype, "modes": [e.name for e in engines], "lookup": lookup,
+        "tree_budgets": budgets, "tree_shapes": shapes, "skipped": skipped,
     }
     command = "dflash-mlx bench " + shlex.join(
         [*(["--model", model] if model else []), *(["--draft", draft] if draft else []), *(a for n in names for a in ("--dataset", n)),
          *(["--data-dir", str(data_dir)] if data_dir else []), "--limit", str(limit),
          "--max-tokens", str(max_tokens), "--block-size", ",".join(map(str, sizes)),
+         *(["--tree-budget", ",".join(map(str, budgets))] if tree_budget else []),
+         *(["--tree-shape", ",".join(shapes)] if tree_shape else []),
          *(["--oracle-q", ",".join(f"{q:g}" for q in rates)] if rates else []), *(["--profile"] if profile else []),
          "--temp", str(temp), "--seed", str(seed), "--repeats", str(repeats),
          *(["--think" if think else "--no-think"] if think is not None else []),
@@ -215,4 +260,4 @@ def bench(
         raise typer.Exit(1)
 
 
-__all__ = ["bench", "parse_contexts", "parse_block_sizes"]
+__all__ = ["bench", "parse_block_sizes", "parse_contexts", "parse_tree_budgets", "parse_tree_shapes"]

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from mlx_dflash.auto.policy import AUTO, DEFAULT_BLOCK_SIZE, parse_block_size
+from mlx_dflash.auto.policy import AUTO, DEFAULT_BLOCK_SIZE, DEFAULT_TREE_BUDGET, DEFAULT_TREE_SHAPE, parse_block_size
 from mlx_dflash.errors import DFlashError
 from mlx_dflash.platform.files import write_json_atomic
 
@@ -23,6 +23,7 @@ from .app import app
 from .calibrate_cmd import block_size_option, calibration_for
 from .chat_display import PrefillBar, Stream
 from .terminal_input import read_line
+from .tree_options import TREE_BUDGET_HELP, TREE_SHAPE_HELP, tree_budget_option, tree_shape_option
 
 DRAFT_STYLE = "cyan"  # tokens the drafter proposed and the target accepted
 LOOKUP_STYLE = "green"  # tokens prompt lookup proposed and the target accepted
@@ -40,6 +41,8 @@ HELP = """\
 /min-p X            drop tokens below X times the top token's probability (0: off)
 /max-tokens N       most tokens per reply
 /block-size auto|N  tokens per draft block: auto (chosen each cycle) or fixed (1: plain decoding)
+/tree-budget B [S]  draft trees of B nodes (0: linear blocks; auto: let /block-size auto choose),
+                    shaped S: spine (the linear draft plus the likeliest others) or paper
 /think on|off       thinking switch of models that have one (e.g. Qwen3)
 /color on|off       colour drafted, looked-up and target tokens
 /stats              acceptance and block-size histograms, predicted vs measured speed
@@ -205,6 +208,12 @@ class ChatUI:
             elif name == "/block-size":
                 self.engine.set_block_size(arg if arg == AUTO else _number(arg, int, "/block-size", 1))
                 self.console.print(f"[dim]block size {s.block_size}[/]")
+            elif name == "/tree-budget":
+                budget, _, shape = arg.partition(" ")
+                if not budget:
+                    raise DFlashError("/tree-budget needs auto, 0 or a number of nodes (and optionally spine or paper)")
+                self.engine.set_trees(budget, shape.strip() or None)
+                self.console.print(f"[dim]{_trees(s)}[/]")
             elif name == "/think":
                 s.think = _switch(arg, "/think")
                 self.console.print(f"[dim]thinking {'on' if s.think else 'off'}[/]")
@@ -246,6 +255,10 @@ class ChatUI:
             table.add_row(str(size) + (" (plain)" if size == 1 else ""), str(count),
                           "#" * max(1, round(30 * count / max(sizes.values()))))
         self.console.print(table)
+        trees = [n for n in t.tree_sizes if n]
+        if trees:
+            self.console.print(f"draft trees: {len(trees)} of {len(t.tree_sizes)} cycles, up to {max(trees)} nodes",
+                               highlight=False)
         if t.accepted_by_source:
             self.console.print("accepted proposed tokens: " + ", ".join(
                 f"{n} {source}" for source, n in sorted(t.accepted_by_source.items())), highlight=False)
@@ -284,6 +297,7 @@ class ChatUI:
             "messages": self.engine.conversation(),
             "settings": asdict(self.engine.settings),
             "acceptance_lengths": self.engine.totals.acceptance_lengths,
+            "tree_sizes": self.engine.totals.tree_sizes,
         }
         try:
             if self.engine.target.world is None or self.engine.target.world.is_main:  # rank 0 writes
@@ -415,6 +429,8 @@ def chat(
     min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens per reply.")] = 1024,
     block_size: Annotated[str, typer.Option("--block-size", callback=block_size_option, help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine; the output is the same either way) or a fixed N (1: plain decoding).")] = DEFAULT_BLOCK_SIZE,
+    tree_budget: Annotated[str, typer.Option("--tree-budget", callback=tree_budget_option, help=TREE_BUDGET_HELP)] = str(DEFAULT_TREE_BUDGET),
+    tree_shape: Annotated[str, typer.Option("--tree-shape", callback=tree_shape_option, help=TREE_SHAPE_HELP)] = DEFAULT_TREE_SHAPE,
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (to feel the difference).")] = False,
     no_color: Annotated[bool, typer.Option("--no-color", help="No colours (drafted and target tokens look alike).")] = False,
@@ -434,7 +450,7 @@ def chat(
                                                              quantize or q_bits is not None, q_bits or 4, lookup)
     size = parse_block_size(block_size)
     settings = ChatSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
-                            block_size=size, system=system)
+                            block_size=size, tree_budget=tree_budget, tree_shape=tree_shape, system=system)
     calibration = calibration_for(target, drafter, size)
     engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration, prompt_lookup=prompt_lookup)
     for line in lines:
@@ -447,7 +463,7 @@ def chat(
     legend = Text.assemble(("drafted", DRAFT_STYLE), " / ", ("looked up", LOOKUP_STYLE), " / ",
                            ("target", TARGET_STYLE)) if not no_color else ""
     console.print(Text.assemble(
-        f"block size {engine.settings.block_size}, context {engine.max_context or 'unbounded'} tokens; ",
+        f"block size {engine.settings.block_size}, {_trees(engine.settings)}, context {engine.max_context or 'unbounded'} tokens; ",
         legend, " · /help for commands, Ctrl-D to leave",
     ), highlight=False)
     if console.is_terminal:
@@ -467,3 +483,14 @@ def _override(ctx: typer.Context, engine: Any, given: Any) -> None:
             setattr(engine.settings, name, getattr(given, name))
     if set_here("block_size"):
         engine.set_block_size(given.block_size)
+    if set_here("tree_budget") or set_here("tree_shape"):
+        engine.set_trees(given.tree_budget if set_here("tree_budget") else engine.settings.tree_budget,
+                         given.tree_shape if set_here("tree_shape") else None)
+
+
+def _trees(settings: Any) -> str:
+    """'linear blocks', 'draft trees of 32 nodes (spine)' or 'draft trees auto (spine)'."""
+    budget = settings.tree_budget
+    if budget == 0:
+        return "linear blocks"
+    return f"draft trees {'of ' + str(budget) + ' nodes' if budget != AUTO else 'auto'} ({settings.tree_shape})"

@@ -8,12 +8,19 @@ from typing import Annotated
 import typer
 from rich.markup import escape
 
-from mlx_dflash.auto.policy import DEFAULT_BLOCK_SIZE, parse_block_size
+from mlx_dflash.auto.policy import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_TREE_BUDGET,
+    DEFAULT_TREE_SHAPE,
+    parse_block_size,
+    parse_tree_budget,
+)
 from mlx_dflash.distributed.world import world_size
 from mlx_dflash.errors import DFlashError
 
 from .app import app, err_console, fail
 from .calibrate_cmd import block_size_option, calibration_for, remember_acceptance
+from .tree_options import TREE_BUDGET_HELP, TREE_SHAPE_HELP, tree_budget_option, tree_shape_option
 
 JSON_SCHEMA_VERSION = 1
 
@@ -76,6 +83,8 @@ def generate(
     min_p: Annotated[float, typer.Option("--min-p", min=0.0, max=1.0, help="Min-p sampling (0: off).")] = 0.0,
     seed: Annotated[int | None, typer.Option("--seed", help="Random seed (sampling is reproducible).")] = None,
     block_size: Annotated[str, typer.Option("--block-size", callback=block_size_option, help="Tokens per draft block: auto (chosen each cycle for the most tokens per second on this machine) or a fixed N.")] = DEFAULT_BLOCK_SIZE,
+    tree_budget: Annotated[str, typer.Option("--tree-budget", callback=tree_budget_option, help=TREE_BUDGET_HELP)] = str(DEFAULT_TREE_BUDGET),
+    tree_shape: Annotated[str, typer.Option("--tree-shape", callback=tree_shape_option, help=TREE_SHAPE_HELP)] = DEFAULT_TREE_SHAPE,
     draft_window: Annotated[int | None, typer.Option("--draft-window", min=1, help="Drafter attends only the last N context tokens.")] = None,
     no_draft: Annotated[bool, typer.Option("--no-draft", help="Decode with the target alone (baseline; no prompt lookup either, unless --lookup).")] = False,
     lookup: Annotated[bool | None, typer.Option("--lookup/--no-lookup", help="Prompt lookup: also verify tokens read off the prompt and the reply so far, when auto expects them to pay (default: on, off with --no-draft).")] = None,
@@ -94,6 +103,7 @@ def generate(
     target, tokenizer, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
     ids = prompt_ids(tokenizer, prompt, prompt_ids_, chat, system)
     size = parse_block_size(block_size)
+    budget = parse_tree_budget(tree_budget)
     calibration = calibration_for(target, drafter, size)
     tokens: list[int] = []
     event = None
@@ -101,6 +111,7 @@ def generate(
         target, tokenizer, ids, draft_model=drafter, max_tokens=max_tokens, temp=temp,
         top_p=top_p, top_k=top_k, min_p=min_p, seed=seed, block_size=size,
         draft_window=draft_window, calibration=calibration, prompt_lookup=choice.lookup,
+        tree_budget=budget, tree_shape=tree_shape,
     ):
         tokens.extend(event.tokens)
         if not as_json:
@@ -116,12 +127,15 @@ def generate(
             "prompt_tokens": stats.prompt_tokens,
             "generation_tokens": stats.num_tokens,
             "acceptance_lengths": stats.acceptance_lengths,
+            "tree_sizes": stats.tree_sizes,
             "tau": stats.tau,
             "prefill_tps": stats.prefill_tps,
             "generation_tps": stats.generation_tps,
             "peak_memory_gb": stats.peak_memory_gb,
             "block_size": size if drafter or choice.lookup else 1,
             "block_size_histogram": {str(k): v for k, v in stats.block_size_histogram.items()},
+            "tree_budget": budget if drafter is not None else 0,
+            "tree_shape": tree_shape,
             "predicted_tps": stats.predicted_tps,
             "draft": drafter is not None,
             "prompt_lookup": choice.lookup,
@@ -141,11 +155,15 @@ def generate(
 
 
 def block_size_summary(stats) -> str:
-    """'block sizes 1x40 16x3 (cycles per size), predicted 9.8 tok/s' for a status line."""
+    """'block sizes 1x40 16x3 (cycles per size), predicted 9.8 tok/s' for a status line (and how many
+    cycles verified draft trees, when some did)."""
     sizes = " ".join(f"{size}x{count}" for size, count in stats.block_size_histogram.items())
     text = f"block sizes {sizes or '-'} (size x cycles)"
     if stats.predicted_tps is not None:
         text += f", cost model predicted {stats.predicted_tps:.1f} tok/s"
+    trees = sum(1 for n in stats.tree_sizes if n)
+    if trees:
+        text += f", {trees} draft trees of up to {max(stats.tree_sizes)} nodes"
     if stats.accepted_by_source:
         text += ", accepted " + " ".join(f"{n} {source}" for source, n in sorted(stats.accepted_by_source.items()))
     return text

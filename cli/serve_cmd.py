@@ -10,9 +10,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from mlx_dflash.auto.policy import DEFAULT_TREE_BUDGET, DEFAULT_TREE_SHAPE
 from mlx_dflash.errors import DFlashError
 
 from .app import app
+from .tree_options import TREE_BUDGET_HELP, TREE_SHAPE_HELP, tree_budget_option, tree_shape_option
 
 EMBEDDED_ID = "SmolLM2-135M-Instruct"
 
@@ -38,6 +40,8 @@ def serve(
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port to listen on.")] = 8080,
     api_key: Annotated[str | None, typer.Option("--api-key", envvar="DFLASH_MLX_API_KEY", help="Require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every /v1 request.")] = None,
     block_size: Annotated[str | None, typer.Option("--block-size", help="'auto' (default: chosen each cycle for the most tokens per second) or a fixed number of tokens per draft block.")] = None,
+    tree_budget: Annotated[str, typer.Option("--tree-budget", callback=tree_budget_option, help=TREE_BUDGET_HELP + " Requests decoded together in a batch (--max-batch) verify linear blocks; a request decoded alone uses trees.")] = str(DEFAULT_TREE_BUDGET),
+    tree_shape: Annotated[str, typer.Option("--tree-shape", callback=tree_shape_option, help=TREE_SHAPE_HELP)] = DEFAULT_TREE_SHAPE,
     max_tokens_default: Annotated[int, typer.Option("--max-tokens-default", min=1, help="Reply length when a request gives no max_tokens.")] = 512,
     temp: Annotated[float, typer.Option("--temp", min=0.0, help="Temperature when a request gives none (0: greedy).")] = 0.0,
     prompt_cache_bytes: Annotated[int | None, typer.Option("--prompt-cache-bytes", min=0, help="Memory for caches kept across requests (0: no prompt cache; default: a quarter of the memory the models leave free, 256 MiB to 16 GiB).")] = None,
@@ -72,7 +76,7 @@ def serve(
         from mlx_dflash.server.worker.prompt_disk import resolve_dir
     except ImportError as e:
         raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
-    from mlx_dflash.auto.policy import parse_block_size
+    from mlx_dflash.auto.policy import parse_block_size, parse_tree_budget
 
     from .calibrate_cmd import calibration_for, remember_acceptance
     from .chat_cmd import _load
@@ -89,7 +93,8 @@ def serve(
     target, tokenizer, drafter, lines, prompt_lookup = _load(console, model, draft, no_draft, dtype,
                                                              quantize or q_bits is not None, q_bits or 4, lookup)
     calibration = calibration_for(target, drafter, size)
-    engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, prompt_cache_bytes=prompt_cache_bytes,
+    engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, tree_budget=parse_tree_budget(tree_budget),
+                                                             tree_shape=tree_shape, prompt_cache_bytes=prompt_cache_bytes,
                                                              calibration=calibration, prompt_lookup=prompt_lookup,
                                                              max_queue=max_queue, max_batch=max_batch,
                                                              batch_bytes=batch_bytes,
@@ -111,6 +116,8 @@ def serve(
     where = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     drafting = " and ".join(["DFlash"] * (drafter is not None) + ["prompt lookup"] * prompt_lookup)
     drafting = f"{drafting}, block size {engine.block_size}" if drafting else "plain decoding"
+    if engine.tree_budget and drafter is not None:
+        drafting += f", draft trees {engine.tree_budget} ({engine.tree_shape}) for requests decoded alone"
     drafting += f", up to {max_batch} requests together" if max_batch > 1 else ", one request at a time"
     console.print(escape(
         f"serving '{model_id}' ({drafting}) at {where}/v1: OpenAI chat/completions, completions and responses, "

@@ -23,7 +23,7 @@ from typing import Any
 import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
-from .auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
+from .auto.policy import AUTO, DEFAULT_BLOCK_SIZE, DEFAULT_TREE_BUDGET, DEFAULT_TREE_SHAPE, make_policy
 from .decoding.loop import GenerationEvent, stream_session
 from .decoding.prefix_marks import mark_positions, turn_openers
 from .decoding.session import DecodingSession, PrefillCancelled, common_prefix
@@ -32,6 +32,7 @@ from .decoding.stats import CycleSummary, GenerationStats
 from .decoding.stream_guard import guarded
 from .drafters.dflash import DFlashDraftModel
 from .errors import DFlashError
+from .generate import tree_settings
 from .platform.runtime import wired_limit
 from .proposers.factory import check_block_size, make_lookup, make_proposer
 from .targets.model import TargetModel, as_target
@@ -51,6 +52,8 @@ class ChatSettings:
     min_p: float = 0.0
     max_tokens: int = 512
     block_size: int | str | None = DEFAULT_BLOCK_SIZE  # "auto" (or None): chosen each cycle; 1: plain
+    tree_budget: int | str | None = DEFAULT_TREE_BUDGET  # 0: linear blocks; N: draft trees of N nodes; "auto"
+    tree_shape: str | None = DEFAULT_TREE_SHAPE  # "spine" or "paper" (`decoding.tree`)
     think: bool | None = None  # None: the template's default
     system: str | None = None
 
@@ -95,11 +98,13 @@ class SessionTotals(CycleSummary):
     decoded_tokens: int = 0  # tokens after each turn's first (which comes from its prefill)
     decode_time: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens kept: dflash, lookup
+    tree_sizes: list[int] = field(default_factory=list)  # each cycle's draft-tree nodes (0: a linear block)
 
     def add(self, stats: GenerationStats) -> None:
         self.generated_tokens += stats.num_tokens
         self.acceptance_lengths += stats.acceptance_lengths
         self.block_sizes += stats.block_sizes
+        self.tree_sizes += stats.tree_sizes
         self.predicted_tokens += stats.predicted_tokens
         self.predicted_seconds += stats.predicted_seconds
         self.decoded_tokens += max(stats.num_tokens - 1, 0)
@@ -162,6 +167,7 @@ class ChatEngine:
         self.settings = settings or ChatSettings()
         self.max_block_size = check_block_size(None, draft_model, lookup=prompt_lookup)
         self.calibration = calibration  # seeds `--block-size auto` (`mlx_dflash.auto.calibration`)
+        self._check_trees(self.settings)
         self.set_block_size(self.settings.block_size)
         self.max_context = max_context or getattr(self.target.args, "max_position_embeddings", None)
         if not getattr(tokenizer, "chat_template", None):
@@ -225,8 +231,24 @@ class ChatEngine:
             self.session.mark_at = {start - 1, len(full) - 2, *mark_positions(full, start, self.openers)}
         return new
 
+    def _check_trees(self, settings: ChatSettings) -> None:
+        """Parse `settings`' tree budget and shape in place; an explicit budget this target and drafter
+        cannot verify is refused with the reason (`generate.tree_settings`)."""
+        proposer = make_proposer(self.target, self.draft_model, self.max_block_size)
+        settings.tree_budget, settings.tree_shape = tree_settings(settings.tree_budget, settings.tree_shape,
+                                                                  self.target, proposer)
+
+    def set_trees(self, budget: int | str | None, shape: str | None = None) -> None:
+        """A new tree budget (0: linear blocks, N: draft trees of N nodes, "auto") and shape (None: kept);
+        refused, the settings unchanged, where this pair cannot verify trees. Rebuilds the policy."""
+        given = ChatSettings(tree_budget=budget, tree_shape=self.settings.tree_shape if shape is None else shape)
+        self._check_trees(given)
+        self.settings.tree_budget, self.settings.tree_shape = given.tree_budget, given.tree_shape
+        self.set_block_size(self.settings.block_size)
+
     def set_block_size(self, n: int | str | None) -> None:
-        """"auto" (None too) or a fixed size; the policy's record then spans the conversation."""
+        """"auto" (None too) or a fixed size; the policy's record then spans the conversation.
+        The policy verifies draft trees as the settings' `tree_budget` and `tree_shape` say."""
         proposing = self.draft_model is not None or self.prompt_lookup
         if n in (None, AUTO):
             self.settings.block_size = AUTO if proposing else 1
@@ -238,7 +260,8 @@ class ChatEngine:
             self.settings.block_size = check_block_size(n, self.draft_model, lookup=self.prompt_lookup)
         # One cost and acceptance record per setting: what pays on this machine holds across turns.
         self.policy = make_policy(self.settings.block_size, self.max_block_size, self.calibration,
-                                  drafter=self.draft_model is not None, lookup=self.prompt_lookup)
+                                  drafter=self.draft_model is not None, lookup=self.prompt_lookup,
+                                  tree_budget=self.settings.tree_budget, tree_shape=self.settings.tree_shape)
 
     def request_stop(self) -> None:
         """Ask the running reply to stop at the end of its current cycle (signal-safe)."""
@@ -372,6 +395,10 @@ class ChatEngine:
         if header.fingerprint != self.fingerprint():
             raise SessionFileError(f"{path}: saved with another drafter")
         messages, settings = _saved_chat(path, meta)
+        try:
+            self._check_trees(settings)
+        except DFlashError:  # trees these models no longer verify, or a damaged value: linear blocks
+            settings.tree_budget, settings.tree_shape = DEFAULT_TREE_BUDGET, DEFAULT_TREE_SHAPE
         session, _ = load_session(path, self._new_session, fingerprint=self.fingerprint())
         self.settings = settings
         try:

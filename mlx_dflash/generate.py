@@ -9,12 +9,21 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-from .auto.policy import AUTO, make_policy, reproducible
+from .auto.policy import (
+    AUTO,
+    DEFAULT_TREE_BUDGET,
+    DEFAULT_TREE_SHAPE,
+    make_policy,
+    parse_tree_budget,
+    parse_tree_shape,
+    reproducible,
+)
 from .decoding.block_size import BlockSizePolicy
 from .decoding.constraint import TokenConstraint
 from .decoding.loop import GenerationEvent, stream_session
 from .decoding.sampling import make_sampler
 from .decoding.session import DecodingSession
+from .decoding.tree_step import refusal
 from .drafters.dflash import DFlashDraftModel
 from .errors import DFlashError
 from .platform.runtime import wired_limit
@@ -44,6 +53,8 @@ def stream_generate(
     policy: BlockSizePolicy | None = None,
     prompt_lookup: bool = True,
     json_schema: dict | bool | None = None,
+    tree_budget: int | str | None = DEFAULT_TREE_BUDGET,
+    tree_shape: str | None = DEFAULT_TREE_SHAPE,
 ) -> Iterator[GenerationEvent]:
     """Generate with DFlash and prompt lookup (the target alone with neither).
 
@@ -60,6 +71,10 @@ def stream_generate(
     `json_schema`: constrain the reply to JSON following this schema (True: any JSON object) by
     masking the target's distribution at every verified position (needs llguidance: the `serve`
     extra); the reply is exactly the constrained target's, and drafted tokens outside it are rejected.
+    `tree_budget`: 0 (the default) verifies linear blocks; N > 0 verifies each drafted block as a
+    draft tree of N nodes (`mlx_dflash.decoding.tree`, shaped by `tree_shape`: "spine" or "paper"),
+    refused with the reason where this target or drafter cannot (`tree_settings`); "auto" (also
+    None) lets `block_size="auto"` weigh trees where they can be verified. Output never depends on it.
     """
     target = as_target(model)
     constraint = None
@@ -86,14 +101,34 @@ def stream_generate(
     sampler = make_sampler(temp, top_p=top_p, min_p=min_p, top_k=top_k)
     stop = set(tokenizer.eos_token_ids) | set(stop_tokens)
     proposer = make_proposer(target, draft_model, block_size, draft_window)
+    tree_budget, tree_shape = tree_settings(tree_budget, tree_shape, target, proposer, constraint)
     session = DecodingSession(target, proposer, lookup=make_lookup(prompt_lookup))
     policy = policy or reproducible(make_policy(AUTO if auto else block_size, block_size, calibration,
-                                                drafter=proposer is not None, lookup=prompt_lookup),
+                                                drafter=proposer is not None, lookup=prompt_lookup,
+                                                tree_budget=tree_budget, tree_shape=tree_shape),
                                     block_size, seed, temp)
     with wired_limit([target.model, draft_model]):
         yield from stream_session(session, ids, sampler, max_tokens=max_tokens, stop=stop,
                                   detokenizer=tokenizer.detokenizer, profile=profile, policy=policy,
                                   constraint=constraint)
+
+
+def tree_settings(tree_budget: int | str | None, tree_shape: str | None, target: TargetModel,
+                  proposer: Proposer | None, constraint: Any = None) -> tuple[int | str, str]:
+    """`tree_budget` and `tree_shape` parsed (`auto.policy.parse_tree_budget`, `parse_tree_shape`), an
+    explicit positive budget checked against what `target` and `proposer` can verify.
+
+    Asked for trees by number where they cannot be verified (a hybrid or sliding-window target, a
+    DFlash2 drafter, no drafter, a constraint), this raises `DFlashError` with the reason
+    (`decoding.tree_step.refusal`) rather than silently decoding linear blocks; "auto" and 0 never
+    fail (the session offers trees only where they can be verified, so "auto" falls back to linear)."""
+    budget, shape = parse_tree_budget(tree_budget), parse_tree_shape(tree_shape)
+    if budget != AUTO and budget > 0:
+        reason = refusal(target, proposer, constraint=constraint)
+        if reason is not None:
+            raise DFlashError(f"tree budget {budget}: {reason}; a tree budget of 0 verifies linear blocks, "
+                              "auto uses trees only where they can be verified")
+    return budget, shape
 
 
 def generate(

@@ -3,6 +3,7 @@ what a cycle of each block size costs (`policy.py` explains how they are used)."
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,14 +17,23 @@ class AcceptanceModel:
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     _odds: float = 1.0  # how likely, under the estimate, the current run of surprising first positions is
+    # Positions checked and accepted, pooled over the positions, in the long run (the drafter's usual
+    # quality): the first position's prior, which evidence aged by text without drafts gives way to.
+    long_reached: float | None = None
+    long_accepted: float | None = None
 
     PRIOR = 0.6  # the first position's estimate before any evidence, worth one observation
     CHAIN = 4.0  # observations a deeper position's prior (the positions before it, pooled) is worth
     CHANGED = 0.01  # a run of first-position outcomes this unlikely: the text changed
+    LONG_PRIOR = 16.0  # positions checked that `PRIOR` is worth in the long-run rate
+    LONG_MEMORY = 32.0  # positions checked or tokens gone by after which the long-run counts' old ones weigh 1/e
+    TEXT_MEMORY = 6.0  # tokens committed without a draft after which evidence weighs 1/e
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.depth
         self.accepted = self.accepted or [0.0] * self.depth
+        if self.long_reached is None or self.long_accepted is None:
+            self.long_reached, self.long_accepted = sum(self.reached), sum(self.accepted)
 
     @property
     def evidence(self) -> float:
@@ -44,6 +54,26 @@ class AcceptanceModel:
         for k in range(min(accepted + 1, drafted, self.depth)):
             self.reached[k] = keep * self.reached[k] + 1.0
             self.accepted[k] = keep * self.accepted[k] + (k < accepted)
+        # Long-run: every position checked counts alike (a token of text each), so that a stretch the drafter
+        # gets wrong, checked one position per cycle, does not outweigh the stretches it drafts whole.
+        reached = min(accepted + 1, drafted)
+        keep = math.exp(-reached / self.LONG_MEMORY)
+        self.long_reached = keep * self.long_reached + reached
+        self.long_accepted = keep * self.long_accepted + accepted
+
+    def age(self, tokens: int) -> None:
+        """`tokens` were committed without a draft of this source: what was seen before them says
+        less about the text now, so the estimates drift back towards the drafter's long-run quality.
+        (A plain step yields no evidence; without this, a bad patch would keep `auto` on plain steps.)
+        The long run counts these tokens at the rate last seen, so that a long stretch the drafter
+        cannot draft brings it down, and a short one hardly."""
+        if self.reached[0] >= 1.0:  # the text went by at the rate last seen: the long run hears of it
+            keep = math.exp(-tokens / self.LONG_MEMORY)
+            self.long_reached = keep * self.long_reached + tokens
+            self.long_accepted = keep * self.long_accepted + tokens * self.accepted[0] / self.reached[0]
+        scale = math.exp(-tokens / self.TEXT_MEMORY)
+        self.reached = [r * scale for r in self.reached]
+        self.accepted = [a * scale for a in self.accepted]
 
     def forget(self, weight: float) -> None:
         """Keep every estimate but let it weigh at most `weight` observations."""
@@ -55,8 +85,10 @@ class AcceptanceModel:
     def rates(self) -> list[float]:
         """Estimated acceptance per position: its own counts over a prior worth `CHAIN`
         observations, the pooled estimate of the positions before it (drafters are about
-        as good a few positions on; a deep position, reached rarely, takes their word)."""
-        out, pooled_a, pooled_r = [], self.PRIOR, 1.0
+        as good a few positions on; a deep position, reached rarely, takes their word). The
+        first position's prior, worth one observation, is its long-run rate."""
+        long_run = (self.LONG_PRIOR * self.PRIOR + self.long_accepted) / (self.LONG_PRIOR + self.long_reached)
+        out, pooled_a, pooled_r = [], long_run, 1.0
         for k, (r, a) in enumerate(zip(self.reached, self.accepted, strict=True)):
             weight = self.CHAIN if k else 1.0
             out.append((a + weight * pooled_a / pooled_r) / (r + weight))

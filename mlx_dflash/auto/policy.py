@@ -55,18 +55,24 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decoding.block_size import BlockSizePolicy, FixedBlockSize
+from ..decoding.block_size import TREE, BlockSizePolicy, FixedBlockSize
+from ..decoding.tree import SHAPES, SPINE, DraftBelief, tree_nodes
 from ..errors import DFlashError
 from ..proposers.base import DFLASH, LOOKUP
 from ..proposers.lookup import LOOKUP_BLOCK
 from .estimators import AcceptanceModel, CostModel, Source, generic_cost, verify_cost
+from .trees import TreeArms
 
-__all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DFLASH", "LOOKUP_BLOCK", "AcceptanceModel", "AutoBlockSize",
-           "BlockSizePolicy", "CostModel", "FixedBlockSize", "Source", "candidate_sizes", "generic_cost",
-           "absorb", "fork", "make_policy", "parse_block_size", "reproducible", "verify_cost"]
+__all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DEFAULT_TREE_BUDGET", "DEFAULT_TREE_SHAPE", "DFLASH", "LOOKUP_BLOCK",
+           "TREE_BUDGETS", "AcceptanceModel", "AutoBlockSize", "BlockSizePolicy", "CostModel", "FixedBlockSize",
+           "Source", "candidate_sizes", "generic_cost", "absorb", "fork", "make_policy", "parse_block_size",
+           "parse_tree_budget", "parse_tree_shape", "reproducible", "verify_cost"]
 
 AUTO = "auto"
 DEFAULT_BLOCK_SIZE = AUTO  # the one default of chat, generate, bench, the API and the server
+DEFAULT_TREE_BUDGET = 0  # the default `--tree-budget` of chat, generate, bench, the API and the server
+DEFAULT_TREE_SHAPE = SPINE
+TREE_BUDGETS = (16, 32, 64)  # the tree budgets `--tree-budget auto` weighs
 BASE_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
@@ -93,19 +99,46 @@ def parse_block_size(text: str | int | None) -> int | str:
     return size
 
 
+def parse_tree_budget(text: str | int | None) -> int | str:
+    """A `--tree-budget` value: "auto" (also for None), 0 (linear blocks) or a positive node count."""
+    if text is None or str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        budget = int(text)
+    except ValueError:
+        raise DFlashError(f"tree budget must be 'auto', 0 or a positive integer, got {text!r}") from None
+    if budget < 0:
+        raise DFlashError(f"tree budget must be 'auto', 0 or a positive integer, got {text!r}")
+    return budget
+
+
+def parse_tree_shape(text: str | None) -> str:
+    """A `--tree-shape` value: "spine" (the default) or "paper"."""
+    shape = SPINE if text is None else str(text).strip().lower()
+    if shape not in SHAPES:
+        raise DFlashError(f"tree shape must be one of {', '.join(SHAPES)}, got {text!r}")
+    return shape
+
+
 def make_policy(block_size: int | str, max_block: int, calibration: Any = None, *,
-                drafter: bool = True, lookup: bool = False) -> BlockSizePolicy:
+                drafter: bool = True, lookup: bool = False, tree_budget: int | str = 0,
+                tree_shape: str = SPINE) -> BlockSizePolicy:
     """The policy for a `block_size` setting ("auto" or an int) with a drafter of `max_block`
-    (`drafter`: one proposes; `lookup`: prompt lookup proposes too, or alone)."""
+    (`drafter`: one proposes; `lookup`: prompt lookup proposes too, or alone).
+
+    `tree_budget`: verify the drafter's blocks as draft trees of that many nodes (0: never;
+    "auto": `auto` chooses among `TREE_BUDGETS`, and a fixed block size takes linear blocks)."""
     if block_size != AUTO:
-        return FixedBlockSize(min(int(block_size), max_block))
+        fixed = 0 if tree_budget == AUTO or not drafter else int(tree_budget)
+        return FixedBlockSize(min(int(block_size), max_block), tree_budget=fixed, tree_shape=tree_shape)
     if max_block <= 1 or not (drafter or lookup):
         return FixedBlockSize(1)
     learnt = getattr(calibration, "acceptance", None)
     if learnt is not None and learnt.depth != max_block - 1:
         learnt = None
+    budgets = () if not drafter or not tree_budget else TREE_BUDGETS if tree_budget == AUTO else (int(tree_budget),)
     return AutoBlockSize(max_block, base_costs=getattr(calibration, "costs", None), acceptance=learnt,
-                         drafter=drafter, lookup=lookup)
+                         drafter=drafter, lookup=lookup, tree_budgets=budgets, tree_shape=tree_shape)
 
 
 def reproducible(policy: BlockSizePolicy, max_block: int, seed: int | None, temp: float) -> BlockSizePolicy:
@@ -146,6 +179,11 @@ class AutoBlockSize:
     sizes: list[int] = field(default_factory=list)
     sources: dict[str, Source] = field(default_factory=dict)
     source: str = DFLASH  # the source of the last choice
+    tree_budgets: tuple[int, ...] = ()  # the draft-tree budgets it may verify (none: linear blocks only)
+    tree_shape: str = SPINE
+    tree: int = 0  # the last choice's draft-tree budget (0: a linear block)
+    trees: TreeArms | None = None  # what is known of each tree budget (set up from `tree_budgets`)
+    _tree_expected: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a tree choice's (linear tokens, tokens, s)
     overhead: float = 0.0  # seconds between cycles (streaming), smoothed
     probing: bool = False  # the last choice was a probe
     _since_probe: int = 0
@@ -167,6 +205,10 @@ class AutoBlockSize:
                 self.sources[LOOKUP] = Source(AcceptanceModel(self.max_block - 1), CostModel(plain, shape=verify_cost))
         self.source = next(iter(self.sources))
         self.acceptance = self.sources[DFLASH].acceptance if DFLASH in self.sources else None
+        depth = self.max_block - 1
+        # `auto` weighs spine trees only: their belief and their spine's acceptance are what it learns from.
+        self.trees = TreeArms(self.tree_budgets, {b: tree_nodes(b, depth, SPINE) for b in self.tree_budgets}, depth) \
+            if self.tree_budgets and self.tree_shape == SPINE and DFLASH in self.sources and depth > 1 else None
 
     @property
     def costs(self) -> CostModel:
@@ -177,8 +219,11 @@ class AutoBlockSize:
         probes, overhead) and its own acceptance, starting from this one's; the cost models are
         this one's, shared (a cycle costs the same whichever request runs it)."""
         sources = {name: Source(copy.deepcopy(s.acceptance), s.costs) for name, s in self.sources.items()}
-        return AutoBlockSize(self.max_block, drafter=self.drafter, lookup=self.lookup, probe_share=self.probe_share,
-                             min_gap=self.min_gap, carry_over=self.carry_over, sources=sources)
+        forked = AutoBlockSize(self.max_block, drafter=self.drafter, lookup=self.lookup, probe_share=self.probe_share,
+                               min_gap=self.min_gap, carry_over=self.carry_over, sources=sources,
+                               tree_budgets=self.tree_budgets, tree_shape=self.tree_shape)
+        forked.trees = copy.deepcopy(self.trees)
+        return forked
 
     def absorb(self, forked: AutoBlockSize) -> None:
         """Take the acceptance `forked` ended with, in place (a calibration's acceptance memory
@@ -193,10 +238,12 @@ class AutoBlockSize:
         for source in self.sources.values():
             source.acceptance.forget(self.carry_over)
 
-    def scores(self, position: int, source: str | None = None) -> dict[int, float]:
-        """Expected committed tokens per second of every candidate size of `source` (default: the last one's)."""
+    def scores(self, position: int, source: str | None = None, acceptance: AcceptanceModel | None = None
+               ) -> dict[int, float]:
+        """Expected committed tokens per second of every candidate size of `source` (default: the last one's),
+        by its acceptance estimate (or by `acceptance`)."""
         model = self.sources[source or self.source]
-        expected = model.acceptance.expected_tokens()
+        expected = (acceptance or model.acceptance).expected_tokens()
         # Uncalibrated and nothing measured yet: the generic shape (in plain steps).
         seconds = {L: model.costs.predict(L, position) or model.costs.shape(L) for L in self.sizes}
         return {L: expected[L] / (seconds[L] + self.overhead + 1e-9) for L in self.sizes}
@@ -206,21 +253,30 @@ class AutoBlockSize:
         if self._last_end is not None:
             self.overhead += 0.25 * (time.perf_counter() - self._last_end - self.overhead)
         offers = {DFLASH: self.max_block - 1} if offers is None else offers
+        trees = self.trees if TREE in offers and limit >= self.max_block else None
         offers = {name: n for name, n in offers.items() if name in self.sources and n > 0}
-        self.probing, self.source = False, DFLASH if DFLASH in offers else next(iter(self.sources))
+        self.probing, self.source, self.tree = False, DFLASH if DFLASH in offers else next(iter(self.sources)), 0
         size, rate = 1, None  # the choice and its expected tokens per second
         if limit > 1 and not self._promised and DFLASH in offers:
             size, rate = self._choose_drafted(position)
+            if trees is not None and size > 1 and not self.probing:
+                linear = self.acceptance.expected_tokens()[self.max_block]
+                tree = trees.best(linear, rate, self.costs, self.sizes, position, self.overhead)
+                if tree is not None:
+                    self.tree, size, rate = tree[0], self.max_block, tree[1] / (tree[2] + self.overhead)
+                    self._tree_expected = (linear, tree[1], tree[2])
         for name in sorted(offers.keys() - {DFLASH}) if limit > 1 and not self._promised else []:
             scores = self.scores(position, name)  # judged by its shadowed record: never probed
             best = max((L for L in self.sizes if L <= offers[name] + 1), key=scores.__getitem__)
             if best > 1 and scores[best] > (scores[1] if rate is None else rate):
-                self.source, size, self.probing, rate = name, best, False, scores[best]
+                self.source, size, self.probing, rate, self.tree = name, best, False, scores[best], 0
         self._promised = False
         size = min(size, limit)
         self._since_probe = 0 if self.probing else self._since_probe + 1
         seconds = self.costs.predict(size, position)
         expected = self.sources[self.source].acceptance.expected_tokens()[size]
+        if self.tree:
+            _, expected, seconds = self._tree_expected
         self.prediction = (expected, seconds + self.overhead) if seconds else None
         return size
 
@@ -258,7 +314,7 @@ class AutoBlockSize:
     def promise_plain(self) -> bool:
         if self.probing or self._promised:
             return False
-        scores = {name: self.scores(self._position, name) for name in self.sources}
+        scores = {name: self.scores(self._position, name, self._after_plain(name)) for name in self.sources}
         if any(by_size[L] >= 0.95 * by_size[1] for by_size in scores.values() for L in self.sizes if L > 1):
             return False  # a near tie: this cycle's measurement may change the choice
         self._promised = True
@@ -269,13 +325,35 @@ class AutoBlockSize:
             self._since_probe -= 1
         return self._promised
 
+    def _record_tree(self, accepted: int, seconds: float, spine: int | None, belief: DraftBelief | None) -> None:
+        """A tree cycle: what its branches added and its price; its spine is a linear block's evidence."""
+        if spine is not None and belief is not None:
+            self.trees.observe(self.tree, accepted, spine, belief, seconds, self._tree_expected[2])
+            self.acceptance.observe(self.max_block - 1, spine)
+        self._credit = min(self._credit + self.probe_share * (seconds + self.overhead), 2.0 * seconds)
+        self._last_end = time.perf_counter()
+
+    def _after_plain(self, source: str) -> AcceptanceModel | None:
+        """The drafter's estimate as the next choice will see it after this plain step (`record` ages it)."""
+        if source != DFLASH:
+            return None
+        aged = copy.deepcopy(self.sources[DFLASH].acceptance)
+        aged.age(1)
+        return aged
+
     def shadow(self, source: str, drafted: int, accepted: int) -> None:
         if source in self.sources:
             self.sources[source].acceptance.observe(drafted, accepted)
 
-    def record(self, size: int, accepted: int, seconds: float) -> None:
+    def record(self, size: int, accepted: int, seconds: float, spine: int | None = None,
+               belief: DraftBelief | None = None) -> None:
+        if self.tree:
+            self._record_tree(accepted, seconds, spine, belief)
+            return
         if size > 1:
             self.sources[self.source].acceptance.observe(size - 1, accepted)
+        if DFLASH in self.sources and (size == 1 or self.source != DFLASH):
+            self.sources[DFLASH].acceptance.age(accepted + 1)  # text went by without the drafter's word
         if not self.probing and self.source == DFLASH:
             self._whole = size > 1 and accepted == size - 1
         for source in self.sources.values() if size == 1 else [self.sources[self.source]]:

@@ -2,8 +2,9 @@
 
 `MlxLmEngine` is mlx-lm's own `stream_generate` (the baseline people know);
 `DFlashEngine` is ours, with a drafter (DFlash) or without one (the engine's overhead),
-with or without prompt lookup, at a fixed block size or `auto`. It times the loop users run; `profile=True` adds a
-host sync per cycle to split draft and verify time (a separate, opt-in measurement).
+with or without prompt lookup, at a fixed block size or `auto`, with linear blocks or draft trees
+(`tree_budget`). It times the loop users run; `profile=True` adds a host sync per cycle to split draft
+and verify time (a separate, opt-in measurement).
 """
 
 from __future__ import annotations
@@ -18,9 +19,13 @@ import mlx.nn as nn
 from mlx_lm.sample_utils import make_sampler
 
 from ..auto.policy import AUTO, make_policy
+from ..decoding.tree import SPINE
+from ..decoding.tree_step import refusal
 from ..drafters.dflash import DFlashDraftModel
 from ..generate import stream_generate
-from ..proposers.factory import check_block_size
+from ..proposers.factory import check_block_size, make_proposer
+from ..targets.model import as_target
+from .modes import mode_name
 
 
 @dataclass
@@ -40,6 +45,7 @@ class Run:
     predicted_tokens: float = 0.0  # `auto`: the cost model's expectation over its cycles
     predicted_seconds: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens kept, per source
+    tree_sizes: list[int] = field(default_factory=list)  # each cycle's draft-tree nodes (0: a linear block)
 
 
 class Engine(Protocol):
@@ -87,16 +93,23 @@ class DFlashEngine:
     (the benchmark-only proposers of `bench.proposers`). With `auto`, one policy serves
     every run of the mode, as one serves a whole chat or server: what it learned about
     the drafter and the machine carries over from prompt to prompt.
+
+    `tree_budget`: 0 verifies linear blocks; N verifies the drafter's blocks as draft trees
+    of N nodes of `tree_shape` wherever the session can (`decoding.tree_step.refusal`);
+    "auto" lets `auto` weigh trees too. The mode's name then ends in " tN" or " t-auto"
+    (and the shape, when not the default spine).
     """
 
     def __init__(self, model: nn.Module, tokenizer: Any, drafter: DFlashDraftModel | Callable | Any | None,
                  block_size: int | str | None = None, name: str | None = None, *, calibration: Any = None,
-                 profile: bool = False, lookup: bool = False):
+                 profile: bool = False, lookup: bool = False, tree_budget: int | str = 0,
+                 tree_shape: str | None = None):
         self.model, self.tokenizer, self.drafter, self.lookup = model, tokenizer, drafter, lookup
         self.block_size = (block_size or AUTO) if drafter is not None or lookup else None
-        label = self.block_size if self.block_size == AUTO else f"b{self.block_size}"
+        self.tree_budget = tree_budget if drafter is not None else 0
+        self.tree_shape = (tree_shape or SPINE) if self.tree_budget else None
         kind = "+".join(["dflash"] * (drafter is not None) + ["lookup"] * lookup)
-        self.name = name or (f"{kind}-{label}" if kind else "target")
+        self.name = name or (mode_name(self.block_size, self.tree_budget, self.tree_shape, kind) if kind else "target")
         self.calibration, self.profile = calibration, profile
         self.policy: Any = None
 
@@ -106,7 +119,11 @@ class DFlashEngine:
             drafter = drafter(prompt_ids, max_tokens)
         if self.block_size == AUTO and self.policy is None:
             self.policy = make_policy(AUTO, check_block_size(None, drafter, lookup=self.lookup), self.calibration,
-                                      drafter=drafter is not None, lookup=self.lookup)
+                                      drafter=drafter is not None, lookup=self.lookup,
+                                      **self._tree_settings())
+        elif self.tree_budget and self.policy is None:  # a fixed block verified as trees: its own policy
+            self.policy = make_policy(self.block_size, self.block_size, drafter=drafter is not None,
+                                      lookup=self.lookup, **self._tree_settings())
         mx.reset_peak_memory()
         tokens: list[int] = []
         event, first = None, None
@@ -131,4 +148,21 @@ class DFlashEngine:
             list(stats.block_sizes) if stats is not None and (self.drafter is not None or self.lookup) else [],
             stats.predicted_tokens if stats is not None else 0.0, stats.predicted_seconds if stats is not None else 0.0,
             dict(stats.accepted_by_source) if stats is not None else {},
+            # (GenerationStats.tree_sizes: read defensively, a stats object without it reports none)
+            list(getattr(stats, "tree_sizes", None) or [])
+            if stats is not None and (self.drafter is not None or self.lookup) else [],
         )
+
+    def _tree_settings(self) -> dict[str, Any]:
+        return {"tree_budget": self.tree_budget, "tree_shape": self.tree_shape} if self.tree_budget else {}
+
+
+def tree_refusal(model: nn.Module, drafter: Any, block_size: int | None = None) -> str | None:
+    """Why `drafter` on `model` cannot verify draft trees (None: it can), as a session would decide
+    (`decoding.tree_step.refusal`); the benchmark-only factories of `bench.proposers` draft linear blocks."""
+    if drafter is None:
+        return "trees need a drafter"
+    if callable(drafter) and not isinstance(drafter, nn.Module):
+        return "the benchmark-only oracle proposers draft linear blocks"
+    target = as_target(model)
+    return refusal(target, make_proposer(target, drafter, block_size or check_block_size(None, drafter)))

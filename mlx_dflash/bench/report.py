@@ -40,10 +40,25 @@ def sizes_text(histogram: dict[int, int]) -> str:
     return " ".join(f"{k}:{v}" for k, v in sorted(histogram.items(), key=lambda kv: -kv[1])) or "-"
 
 
+def has_trees(rows: list[dict[str, Any]]) -> bool:
+    """Whether any row is a draft-tree mode (the tables then show their tree sizes)."""
+    return any(r.get("tree_budget") for r in rows)
+
+
+def tree_text(row: dict[str, Any]) -> str:
+    """'17.0 (40/52)': mean nodes of the cycles verified as trees (tree cycles / all cycles); '-' for none."""
+    if not row.get("tree_budget"):
+        return "-"
+    if not row.get("tree_cycles"):
+        return f"- (0/{row['cycles']})"
+    return f"{row['mean_tree_size']:.1f} ({row['tree_cycles']}/{row['cycles']})"
+
+
 def _table(rows: list[dict[str, Any]]) -> list[str]:
+    trees = has_trees(rows)
     head = ("| dataset | context | mode | tau | decode tok/s (median, min-max) | speedup vs mlx-lm | "
             "TTFT s | peak GB | ms per cycle (draft/verify/other) | block sizes (size:cycles) | "
-            "predicted tok/s | mismatches |")
+            + ("tree nodes (tree cycles/cycles) | " if trees else "") + "predicted tok/s | mismatches |")
     lines = [head, "|" + " --- |" * (head.count("|") - 1)]
     for r in rows:
         tps, sp, cyc = r["decode_tps"], r["speedup"], r["cycle_ms"]
@@ -52,7 +67,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
             f"{tps['median']:.1f} ({tps['min']:.1f}-{tps['max']:.1f}) | "
             f"{_fmt(sp['median']) + 'x' if sp else '-'} | {r['ttft_s']['median']:.3f} | "
             f"{r['peak_memory_gb']:.2f} | {cycle_text(cyc)} | {sizes_text(r['block_size_histogram'])} | "
-            f"{_fmt(r['predicted_tps'], 1)} | {r['mismatches']} |"
+            + (f"{tree_text(r)} | " if trees else "") + f"{_fmt(r['predicted_tps'], 1)} | {r['mismatches']} |"
         )
     return lines
 
@@ -148,8 +163,12 @@ def write_report(data: dict[str, Any], directory: str | Path) -> Path:
         "",
         f"Target `{cfg['model']}`, drafter `{cfg['draft']}`, datasets {', '.join(cfg['datasets'])}; "
         f"max tokens {cfg['max_tokens']}, temperature {cfg['temp']}, block sizes "
-        f"{', '.join(map(str, cfg['block_sizes']))}, repeats {cfg['repeats']}.",
+        f"{', '.join(map(str, cfg['block_sizes']))}"
+        + (f", tree budgets {', '.join(map(str, cfg['tree_budgets']))} ({', '.join(cfg.get('tree_shapes') or [])})"
+           if any(cfg.get("tree_budgets") or []) else "")
+        + f", repeats {cfg['repeats']}.",
         "",
+        *([f"Skipped: {'; '.join(cfg['skipped'])}.", ""] if cfg.get("skipped") else []),
         "```",
         data.get("command", ""),
         "```",

@@ -58,6 +58,9 @@ class Record:
     predicted_tokens: float = 0.0  # `auto`: the cost model's expectation, summed over its cycles
     predicted_seconds: float = 0.0
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens kept: dflash, lookup
+    tree_budget: int | str = 0  # draft-tree nodes per cycle, "auto" (chosen each cycle) or 0 (linear blocks)
+    tree_shape: str | None = None  # "spine" or "paper" for tree modes
+    tree_sizes: list[int] = field(default_factory=list)  # each cycle's tree nodes (0: a linear block)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,7 +114,8 @@ def _record(prompt: Prompt, turn: int, context: int | None, repeat: int, engine:
         len(run.tokens), run.ttft_s, run.decode_s, decoded / run.decode_s if run.decode_s > 0 else 0.0,
         run.peak_memory_gb, run.finish_reason, run.acceptance_lengths, run.draft_s, run.verify_s, match, mismatch,
         dict(sorted(Counter(run.block_sizes).items())), run.predicted_tokens, run.predicted_seconds,
-        dict(run.accepted_by_source),
+        dict(run.accepted_by_source), getattr(engine, "tree_budget", 0), getattr(engine, "tree_shape", None),
+        list(run.tree_sizes),
     )
 
 

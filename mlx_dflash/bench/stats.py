@@ -95,6 +95,7 @@ def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str =
         for r in recs:
             sizes.update({int(k): v for k, v in r.block_size_histogram.items()})
         predicted_s = sum(r.predicted_seconds for r in recs)
+        trees = [n for r in recs for n in r.tree_sizes if n > 0]
         base = _by_repeat(groups.get((dataset, context, baseline), []))
         alone = _by_repeat(groups.get((dataset, context, target), []))
         rows.append({
@@ -126,6 +127,11 @@ def summarize(records: Sequence[Record], baseline: str = "mlx-lm", target: str =
             # `auto`: tokens per second its cost model expected, against decode_tps measured.
             "predicted_tps": sum(r.predicted_tokens for r in recs) / predicted_s if predicted_s > 0 else None,
             "mismatches": sum(r.match is False for r in recs),
+            # Draft trees: the mode's budget and shape, the cycles verified as trees, their mean node count.
+            "tree_budget": recs[0].tree_budget,
+            "tree_shape": recs[0].tree_shape,
+            "tree_cycles": len(trees),
+            "mean_tree_size": statistics.fmean(trees) if trees else None,
         })
     order = {d: i for i, d in enumerate([*datasets, ALL])}
     rows.sort(key=lambda r: (order[r["dataset"]], r["context"] or 0))

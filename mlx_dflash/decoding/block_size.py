@@ -10,9 +10,12 @@ cycle is an exact target decoding step: it changes the speed, never the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..proposers.base import DFLASH, LOOKUP
+from .tree import SPINE
+
+TREE = "tree"  # an offer: this cycle's drafted block may be verified as a draft tree (`tree.py`)
 
 
 class BlockSizePolicy(Protocol):
@@ -25,11 +28,14 @@ class BlockSizePolicy(Protocol):
         ...
 
     source: str  # the last choice's proposal source
+    tree: int  # the last choice's draft-tree budget (0: a linear block); only when `TREE` was offered
+    tree_shape: str  # "spine" or "paper" (`tree.SHAPES`)
 
     def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
         """Block size of the next cycle (at most `limit`), the pending token at `position`;
         `offers`: the sources that can propose now, and how many tokens each can (default:
-        the drafter). The chosen source is left in `source`."""
+        the drafter), and `TREE` when the drafter's block may be a tree. The chosen source is
+        left in `source`, the tree budget in `tree`."""
         ...
 
     def promise_plain(self) -> bool:
@@ -37,8 +43,11 @@ class BlockSizePolicy(Protocol):
         next `choose` to 1 (the session launches that step early)."""
         ...
 
-    def record(self, size: int, accepted: int, seconds: float) -> None:
-        """The cycle just chosen finished: its block size, accepted draft tokens, wall time."""
+    def record(self, size: int, accepted: int, seconds: float, spine: int | None = None,
+               belief: Any = None) -> None:
+        """The cycle just chosen finished: its block size, accepted draft tokens, wall time (and for
+        a spine tree, what its linear draft alone would have had accepted and what the drafter
+        expected of the tree: `tree.DraftBelief`)."""
         ...
 
     def shadow(self, source: str, drafted: int, accepted: int) -> None:
@@ -54,6 +63,9 @@ class FixedBlockSize:
     size: int
     prediction: tuple[float, float] | None = None
     source: str = DFLASH
+    tree_budget: int = 0  # verify the drafter's block as a tree of this many nodes where offered (0: never)
+    tree_shape: str = SPINE
+    tree: int = 0
 
     def begin(self) -> None:
         pass
@@ -62,12 +74,14 @@ class FixedBlockSize:
         """The drafter's block when there is one, else prompt lookup's when it has a match."""
         offers = {DFLASH: self.size - 1} if offers is None else offers
         self.source = DFLASH if DFLASH in offers else LOOKUP
+        self.tree = self.tree_budget if TREE in offers else 0
         return max(min(self.size, limit, offers.get(self.source, 0) + 1), 1)
 
     def promise_plain(self) -> bool:
         return self.size == 1
 
-    def record(self, size: int, accepted: int, seconds: float) -> None:
+    def record(self, size: int, accepted: int, seconds: float, spine: int | None = None,
+               belief: Any = None) -> None:
         pass
 
     def shadow(self, source: str, drafted: int, accepted: int) -> None:

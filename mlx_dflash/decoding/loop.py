@@ -101,7 +101,8 @@ def stream_session(
                                                      stats.timings if profile else None)
             produced, accepted, rows = verified.tokens[:kept], verified.num_accepted, verified.logprobs[:kept]
             source = verified.source
-            stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction, source)
+            stats.add_cycle(size, len(verified.tokens), session.proposer is not None, policy.prediction, source,
+                            verified.tree_size or 0)
     finally:
         session.constraint = None
         with mx.stream(generation_stream):

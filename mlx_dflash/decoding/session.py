@@ -39,9 +39,11 @@ import mlx.core as mx
 from ..proposers.base import DFLASH, LOOKUP, Proposer
 from ..proposers.lookup import PromptLookup
 from ..targets.model import Checkpoint, TargetModel
-from .block_size import BlockSizePolicy
+from .block_size import TREE, BlockSizePolicy
 from .prefix_marks import PrefixMark, thin
 from .step import Launched, Verified, launch_step
+from .tree import SPINE
+from .tree_step import launch_tree, refusal
 
 PREFILL_CHUNK = 2048
 LOOKUP_TOKENS = 15  # the most tokens prompt lookup proposes (a block of 16)
@@ -203,13 +205,20 @@ class DecodingSession:
         self.tokens.extend(list(new_tokens) + [token])
         return token
 
+    def tree_refusal(self) -> str | None:
+        """Why this session's cycles cannot verify draft trees now (None: they can; `tree_step`)."""
+        return refusal(self.target, self.proposer, constraint=self.constraint)
+
     def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None,
-             *, ahead: bool = False, draft: list[int] | None = None) -> Verified:
+             *, ahead: bool = False, draft: list[int] | None = None,
+             tree: tuple[int, str, int] | None = None) -> Verified:
         """One verify cycle from the pending token; follow it with `keep`.
 
         `ahead` (a plain step, when the next cycle is known to be one too): launch the next
         step before reading this one. Output is the same either way; only the timing moves.
         `draft`: verify these block_size - 1 tokens (prompt lookup's) instead of drafting.
+        `tree` (budget, shape, belief budget): draft a block of `block_size` and verify a tree of it
+        (`tree_step`; only where `tree_refusal()` is None).
         """
         self.target.heartbeat()
         if draft is not None:
@@ -218,6 +227,15 @@ class DecodingSession:
             self.settle()
             if self.proposer is not None:
                 self.inject_pending()  # the drafter reads every committed position
+        if tree is not None:
+            last = mx.array(self.tokens[-1:], dtype=mx.uint32)
+            launched_tree = launch_tree(self.target, self.cache, self.proposer, sampler, last, self.position,
+                                        block_size, tree[0], tree[1], timings, tree[2])
+            verified = launched_tree.finish(self.cache, timings)
+            self._inputs = verified.inputs.shape[0]  # the accepted branch, compacted
+            if verified.draft_finite is not None:
+                self.proposer.checked(verified.draft_finite)
+            return verified
         launched, self._ahead = self._ahead, None
         self.moved_seconds = self._ahead_seconds if launched is not None else 0.0
         self._ahead_seconds = 0.0
@@ -253,20 +271,30 @@ class DecodingSession:
         offers = {DFLASH: MAX_PROPOSAL} if self.proposer is not None else {}
         if looked_up:
             offers[LOOKUP] = len(looked_up)
+        if self.proposer is not None and self.tree_refusal() is None:
+            offers[TREE] = MAX_PROPOSAL
         # Timing-based choices differ between ranks: every rank takes rank 0's.
         size = self.target.agree_int(policy.choose(budget, self.position, offers))
         source = policy.source if size > 1 else DFLASH
         if self.target.world is not None and looked_up:
             source = LOOKUP if self.target.agree_int(source == LOOKUP) else DFLASH
         draft = looked_up[: size - 1] if source == LOOKUP else None
+        # (a caller's own policy may know nothing of trees)
+        tree = getattr(policy, "tree", 0) if source == DFLASH and size > 1 and TREE in offers else 0
         ahead = size == 1 and budget > 1 and policy.promise_plain()
         started = time.perf_counter()  # a drafting cycle's cost includes injecting the plain steps' backlog
         self.prepare(size if draft is None else 1)
-        verified = self.step(sampler, size, timings, ahead=ahead, draft=draft)
+        verified = self.step(sampler, size, timings, ahead=ahead, draft=draft,
+                             tree=(tree, getattr(policy, "tree_shape", SPINE), max(getattr(policy, "tree_budgets", ()),
+                                                                                     default=0)) if tree else None)
         kept = next((i + 1 for i, t in enumerate(verified.tokens) if t in stop or i + 1 >= budget),
                     len(verified.tokens))
         self.keep(verified, kept)
-        policy.record(size, verified.num_accepted, time.perf_counter() - started + self.moved_seconds)
+        seconds = time.perf_counter() - started + self.moved_seconds
+        if verified.tree_size is None:
+            policy.record(size, verified.num_accepted, seconds)
+        else:
+            policy.record(size, verified.num_accepted, seconds, verified.spine_accepted, verified.draft_belief)
         if looked_up and draft is None:  # what the lookup's proposal would have had accepted
             seen = min(kept, len(looked_up))
             policy.shadow(LOOKUP, seen, next((i for i in range(seen) if verified.tokens[i] != looked_up[i]), seen))

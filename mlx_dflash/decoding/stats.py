@@ -70,11 +70,13 @@ class GenerationStats(CycleSummary):
     accepted_by_source: dict[str, int] = field(default_factory=dict)  # proposed tokens accepted, per source
     proposed_by_source: dict[str, int] = field(default_factory=dict)  # tokens proposed, per source
     cycles_by_source: dict[str, int] = field(default_factory=dict)  # verify cycles of each source
+    tree_sizes: list[int] = field(default_factory=list)  # each cycle's draft-tree nodes (0: a linear block)
 
     def add_cycle(self, size: int, produced: int, drafter: bool, prediction: tuple[float, float] | None,
-                  source: str | None = None) -> None:
+                  source: str | None = None, tree_size: int = 0) -> None:
         self.acceptance_lengths.append(produced)
         self.block_sizes.append(size)
+        self.tree_sizes.append(tree_size)
         self.plain_cycles += size == 1 and drafter
         if source is not None:
             self.accepted_by_source[source] = self.accepted_by_source.get(source, 0) + produced - 1

@@ -31,6 +31,9 @@ class Verified:
     logprobs: Any = None  # (B, V) the target's log-probabilities after each input, lazily
     source: str | None = None  # who proposed the verified tokens ("dflash", "lookup"; None: a plain step)
     draft_finite: bool | None = None  # a guarded drafter's logits were finite (None: not checked)
+    tree_size: int | None = None  # nodes of the verified draft tree (None: a linear block)
+    spine_accepted: int | None = None  # a spine tree: what the linear draft alone would have had accepted
+    draft_belief: Any = None  # a spine tree: what the drafter expected of it (`tree.DraftBelief`)
 
 
 @dataclass

@@ -27,6 +27,8 @@ MAX_UNCONFIRMED = 8192
 class DFlashProposer:
     """Block drafting with a DFlash drafter sharing the target's embedding and lm_head."""
 
+    drafts_trees = True  # `draft_logits` scores every token of the block: trees can be drawn from it
+
     def __init__(
         self,
         drafter: DFlashDraftModel,
@@ -65,12 +67,16 @@ class DFlashProposer:
             self.last_draft_finite = mx.isfinite(x).all()
             self._drafted_over = len(self._unconfirmed)
 
-    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+    def draft_logits(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+        """The drafter's logits (block_size - 1, V) at the positions after `last_token`, lazily."""
         block = mx.concatenate([last_token.astype(mx.uint32), self._masks[: block_size - 1]])
         hidden = self.drafter(self.target.embed(block[None]), self.cache, position)
         logits = self.target.logits(hidden[:, 1:])
         self._note_draft(logits)
-        return mx.argmax(logits[0], axis=-1).astype(mx.uint32)
+        return logits[0]
+
+    def propose(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+        return mx.argmax(self.draft_logits(last_token, position, block_size), axis=-1).astype(mx.uint32)
 
     def commit(self, features: mx.array, position: int) -> None:
         self.injector(features, position, self.cache)

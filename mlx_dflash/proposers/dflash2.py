@@ -19,6 +19,7 @@ from .dflash import DFlashProposer
 
 class DFlash2Proposer(DFlashProposer):
     drafter: DFlash2DraftModel
+    drafts_trees = False  # its selector walks the block token by token: no per-position scores to branch on
 
     def _select(self, last_token: mx.array, position: int, block_size: int, temperature: float) -> Selection:
         block = mx.concatenate([last_token.astype(mx.uint32), self._masks[: block_size - 1]])

@@ -254,9 +254,12 @@ def test_the_choice_converges_after_acceptance_changes():
     rng = np.random.default_rng(2)
     policy = AutoBlockSize(16, base_costs=calibrated(gpu_cost))
     acceptance = [0.9] * 150 + [0.0] * 150 + [0.9] * 250
-    sizes, _ = simulate(policy, 550, gpu_cost, lambda i: acceptance[i], rng)
+    sizes, outcomes = simulate(policy, 550, gpu_cost, lambda i: acceptance[i], rng)
     assert sum(L >= 12 for L in sizes[100:150]) >= 45  # 12 and 16 are near ties here
-    assert sizes[220:300].count(1) >= 60  # the drafter turned useless: plain steps (rare probes)
+    # The drafter turned useless: mostly plain steps; the retries that text going by brings (a block of
+    # 2 costs 1.1 steps here) cost at most a tenth.
+    assert sizes[220:300].count(1) >= 40
+    assert rate(outcomes[150:300]) >= 0.9 / gpu_cost(1, 0)
     assert sum(L >= 12 for L in sizes[-50:]) >= 45  # and useful again: the probes noticed
 
 
@@ -280,8 +283,8 @@ def test_text_that_stops_suiting_the_drafter_is_noticed_within_a_few_cycles(chan
                             np.random.default_rng(seed))
         assert sum(L >= 8 for L in sizes[60:100]) >= 36  # the list: wide blocks
         wasted.append(sum(L > 1 for L in sizes[100:]))
-    if changed:
-        assert max(wasted) <= 8, wasted
+    if changed:  # (a draft now and then after plain steps: the text may suit the drafter again)
+        assert max(wasted) <= 9, wasted
     else:
         assert min(wasted) >= 12, wasted  # the failure the forgetting prevents (kept as a witness)
 
@@ -380,13 +383,17 @@ def test_a_promise_binds_only_a_plain_step_the_policy_would_choose(p):
             position += accepted + 1
             if promise:
                 twin.record(size, accepted, seconds)
-                assert twin.choose(10**9, position) == 1, "a promise bound a choice the policy would not make"
+                # A probe the twin would take now may come a cycle later (this plain step's measured cost can
+                # make it look cheaper than the promise foresaw); any other choice must be the plain step.
+                choice = twin.choose(10**9, position)
+                assert choice == 1 or twin.probing, "a promise bound a choice the policy would not make"
             sizes.append(size)
             promises.append(promise)
             promised = promise
         if p < 0.5:  # plain steps are best: nearly all of them come pipelined, and probes still come
             assert probes > 0
-            assert sum(promises) >= 0.85 * sizes.count(1) > 0
+            # (not all: as plain steps go by, the drafter's estimate drifts back and near ties come)
+            assert sum(promises) >= 0.8 * sizes.count(1) > 0
 
 
 def test_one_rejection_just_past_the_chosen_block_does_not_condemn_the_deeper_positions():
@@ -536,3 +543,36 @@ def test_a_fork_hands_what_it_learnt_back_in_place():
     assert shared.acceptance is memory and memory.reached == forked.acceptance.reached and memory.evidence > 0
     forked.acceptance.observe(7, 0)
     assert memory.reached != forked.acceptance.reached  # a copy: the fork's later cycles stay its own
+
+
+def tiny_cost(L, n):  # a tiny model: any verify costs about a plain step, plus a draft pass
+    return 1.0 if L == 1 else 1.3 + 0.01 * L
+
+
+def patched_reply(policy, bad: range, max_tokens: int, rng) -> float:
+    """One reply of a strong drafter (0.95 per position) except over the tokens of `bad` (0.05),
+    decoded by a fresh `policy`: tokens per unit time."""
+    policy.begin()
+    done, position, seconds = 1, 0, 0.0
+    while done < max_tokens:
+        size = policy.choose(max_tokens - done, position)
+        if size == 1:
+            policy.promise_plain()
+        accepted = 0
+        while accepted < size - 1 and rng.random() < (0.05 if position + accepted + 1 in bad else 0.95):
+            accepted += 1
+        policy.record(size, accepted, tiny_cost(size, position))
+        done, position, seconds = done + accepted + 1, position + accepted + 1, seconds + tiny_cost(size, position)
+    return done / seconds
+
+
+@pytest.mark.parametrize("start", [10, 20, 30])
+@pytest.mark.parametrize("length", [4, 8, 12])
+def test_a_bad_patch_does_not_leave_auto_on_plain_steps(start, length):
+    # A strong drafter, no calibration, a fresh policy per 64-token reply: after the drafter goes wrong
+    # for a few tokens, plain steps give no evidence of it; the text going by must bring drafting back.
+    ratios = [patched_reply(AutoBlockSize(8), range(start, start + length), 64, np.random.default_rng(seed))
+              / patched_reply(FixedBlockSize(8), range(start, start + length), 64, np.random.default_rng(seed))
+              for seed in range(20)]
+    assert np.median(ratios) >= 0.9, np.median(ratios)
+    assert np.mean(ratios) >= 0.85, np.mean(ratios)

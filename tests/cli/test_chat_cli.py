@@ -73,7 +73,8 @@ def test_options_are_parsed_and_checked(pair, tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(save.read_text())
     assert data["settings"] == {"temp": 0.7, "top_p": 0.9, "top_k": 0, "min_p": 0.0, "max_tokens": 3,
-                                "block_size": 4, "think": None, "system": "be kind"}
+                                "block_size": 4, "tree_budget": 0, "tree_shape": "spine", "think": None,
+                                "system": "be kind"}
     assert data["messages"][0] == {"role": "system", "content": "be kind"}
     assert "\x1b[" not in result.output
     assert summaries(result.output)[0][0] == 3

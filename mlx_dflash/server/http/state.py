@@ -167,6 +167,7 @@ def dflash_extension(state: ServerState, finished: Finished) -> dict:
         "drafter": state.engine.drafter is not None,
         "prompt_lookup": state.engine.config.prompt_lookup,
         "block_size": state.engine.block_size,
+        "tree_cycles": sum(1 for n in stats.tree_sizes if n),  # cycles verified as draft trees (`--tree-budget`)
         "tau": round(stats.tau, 4),
         "cycles": stats.cycles,
         "plain_cycles": stats.plain_cycles,

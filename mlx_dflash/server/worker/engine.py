@@ -15,11 +15,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ...auto.policy import AUTO, DEFAULT_BLOCK_SIZE, make_policy
+from ...auto.policy import AUTO, DEFAULT_BLOCK_SIZE, DEFAULT_TREE_BUDGET, DEFAULT_TREE_SHAPE, make_policy
 from ...batching.batch import batch_footprint
 from ...decoding.prefix_marks import turn_openers
 from ...decoding.session import DecodingSession
 from ...decoding.stats import GenerationStats
+from ...generate import tree_settings
 from ...platform.runtime import (
     buffer_cache_limit,
     default_batch_bytes,
@@ -39,6 +40,10 @@ from .scheduler import Scheduler, describe_batch
 @dataclass
 class EngineConfig:
     block_size: int | str = DEFAULT_BLOCK_SIZE  # "auto": chosen each cycle; an int: fixed
+    # Draft trees of a request decoded alone (0: linear blocks; N: trees of N nodes; "auto": as `auto` weighs
+    # them); a batched request verifies linear blocks (`scheduler.Scheduler._new_batch`).
+    tree_budget: int | str = DEFAULT_TREE_BUDGET
+    tree_shape: str = DEFAULT_TREE_SHAPE  # "spine" or "paper" (`decoding.tree`)
     prompt_cache_bytes: int | None = None  # None: sized from the device's memory (`runtime.default_prompt_cache_bytes`)
     calibration: Any = None  # seeds `auto` with this machine's measured cycle costs (`mlx_dflash.auto.calibration`)
     prompt_lookup: bool = True  # also propose tokens read off the prompt (`mlx_dflash.proposers.lookup`)
@@ -71,9 +76,15 @@ class Engine:
         if drafter is None and not lookup:
             size = 1
         self.block_size = size if size == AUTO else check_block_size(int(size), drafter, lookup=lookup)
-        # Every request forks it (`auto.policy.fork`): the costs on this machine hold across them.
+        # An explicit tree budget this pair cannot verify is refused here, before serving anything.
+        self.tree_budget, self.tree_shape = tree_settings(
+            self.config.tree_budget, self.config.tree_shape, self.target,
+            make_proposer(self.target, drafter, self.max_block_size))
+        # Every request forks it (`auto.policy.fork`): the costs on this machine hold across them. A request
+        # decoded alone verifies trees as it says; a batched one never does (`scheduler.Scheduler._new_batch`).
         self.policy = make_policy(self.block_size, self.max_block_size, self.config.calibration,
-                                  drafter=drafter is not None, lookup=lookup)
+                                  drafter=drafter is not None, lookup=lookup, tree_budget=self.tree_budget,
+                                  tree_shape=self.tree_shape)
         self.max_context = getattr(self.target.args, "max_position_embeddings", None)
         self.stop_ids = set(tokenizer.eos_token_ids)
         cache_bytes = self.config.prompt_cache_bytes

@@ -176,8 +176,13 @@ class Scheduler:
     def _new_batch(self) -> SessionBatch:
         engine = self.engine
         size = engine.block_size
-        # Its own costs and acceptance: a batched cycle's cost per row is not a lone cycle's.
-        policy = make_policy(size, engine.max_block_size) if engine.drafter is not None else FixedBlockSize(1)
+        # Its own costs and acceptance: a batched cycle's cost per row is not a lone cycle's. Linear blocks
+        # only, whatever the engine's tree budget: the batch asks its policy without offering trees
+        # (`SessionBatch` passes no `TREE` offer), and a member's `session.cycle` returns its part of the
+        # batch's cycle before offering any. A request decoded alone (one running, or one the batch refused
+        # or handed back) cycles with its own fork of `engine.policy`, trees included.
+        policy = (make_policy(size, engine.max_block_size, tree_budget=0) if engine.drafter is not None
+                  else FixedBlockSize(1))
         return SessionBatch(engine.target, policy)
 
     @property

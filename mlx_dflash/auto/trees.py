@@ -1,0 +1,89 @@
+"""What `auto` knows of draft trees: what each budget adds to the linear block, and its price.
+
+A spine tree of budget N drafts the same block as the linear block of the drafter's full size and
+holds its draft, so it commits the linear block's tokens (the acceptance model's estimate) plus
+what its other branches add. The drafter says what they add: each node is accepted with its
+path's probability under the drafter (`DraftBelief`, read with the last tree cycle's one host
+read), so the extra nodes of budget N are expected to add the sum of their probabilities. A
+drafter's probabilities are not calibrated, so that sum is scaled by `calibration`: what the
+other branches actually added (tokens accepted beyond the spine) over what the drafter expected
+of them, summed over recent tree cycles.
+
+A budget's price: the verify of its N + 1 inputs, extrapolated along the linear blocks' own
+costs (the last two candidate sizes' slope), times a measured correction per budget (a tree
+cycle also builds the tree and its mask). Before the drafter has said anything, and again after
+`STALE` drafting cycles without a tree, the largest budget priced within `TRIAL` of the linear
+block is tried once: its belief covers every smaller budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..decoding.tree import DraftBelief
+from .estimators import CostModel
+
+
+@dataclass
+class TreeArms:
+    """The spine-tree budgets `auto` may verify, with the drafter's last belief and the measured corrections."""
+
+    budgets: tuple[int, ...]
+    nodes: dict[int, int]  # budget -> tree nodes
+    depth: int  # draft positions (the spine's length)
+    belief: DraftBelief | None = None  # the last tree cycle's
+    added: float = 0.0  # tokens the other branches added beyond the spine, decayed sum
+    hoped: float = 0.0  # what the drafter expected them to add, decayed sum
+    ratio: dict[int, float] = field(default_factory=dict)  # budget -> measured seconds over extrapolated
+    since_tree: int = 0  # drafting cycles since the last tree cycle
+
+    TRIAL = 1.5  # a trial's price, at most, over the linear block's
+    STALE = 64  # drafting cycles after which the drafter's belief is asked again
+    MEMORY = 16.0  # tree cycles after which old calibration evidence weighs 1/e
+    PRIOR = 4.0  # expected nodes' worth of belief in the drafter before its trees are seen
+    SMOOTHING = 0.25
+
+    @property
+    def calibration(self) -> float:
+        """What the other branches add per unit the drafter expects (1 before any evidence)."""
+        return (self.added + self.PRIOR) / (self.hoped + self.PRIOR)
+
+    def seconds(self, budget: int, costs: CostModel, sizes: list[int], position: int) -> float:
+        """Expected seconds of a tree cycle of `budget` (0.0: the linear costs are not known yet)."""
+        top, below = sizes[-1], sizes[-2] if len(sizes) > 1 else sizes[-1]
+        t_top, t_below = costs.predict(top, position), costs.predict(below, position)
+        if not t_top:
+            return 0.0
+        slope = max((t_top - t_below) / (top - below), 0.0) if top > below else 0.0
+        return (t_top + slope * max(self.nodes[budget] + 1 - top, 0)) * self.ratio.get(budget, 1.0)
+
+    def best(self, linear_tokens: float, rate: float, costs: CostModel, sizes: list[int], position: int,
+             overhead: float) -> tuple[int, float, float] | None:
+        """The budget to verify now, if any: (budget, expected tokens, seconds). `rate`: the linear choice's."""
+        self.since_tree += 1
+        priced = {b: self.seconds(b, costs, sizes, position) for b in self.budgets}
+        if not all(priced.values()):
+            return None
+        if self.belief is None or self.since_tree > self.STALE:  # ask the drafter: the widest affordable tree
+            linear = costs.predict(sizes[-1], position)
+            trial = [b for b in self.budgets if priced[b] <= self.TRIAL * linear]
+            return (max(trial), linear_tokens, priced[max(trial)]) if trial else None
+        choice, best_rate = None, rate
+        for budget, seconds in priced.items():
+            extra = self.belief.expected(self.nodes[budget], self.depth) - self.belief.spine
+            tokens = linear_tokens + self.calibration * extra
+            if tokens / (seconds + overhead) > best_rate:
+                choice, best_rate = (budget, tokens, seconds), tokens / (seconds + overhead)
+        return choice
+
+    def observe(self, budget: int, accepted: int, spine: int, belief: DraftBelief, seconds: float,
+                predicted: float) -> None:
+        """A tree cycle of `budget` had `accepted` nodes accepted, `spine` of them on the spine, in `seconds`."""
+        keep = 1.0 - 1.0 / self.MEMORY
+        self.added = keep * self.added + (accepted - spine)
+        self.hoped = keep * self.hoped + belief.expected(self.nodes[budget], self.depth) - belief.spine
+        self.belief, self.since_tree = belief, 0
+        if predicted > 0:
+            ratio = self.ratio.get(budget, 1.0) * seconds / predicted
+            old = self.ratio.get(budget)
+            self.ratio[budget] = ratio if old is None else old + self.SMOOTHING * (ratio - old)
