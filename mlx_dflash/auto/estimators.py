@@ -25,9 +25,10 @@ class AcceptanceModel:
     PRIOR = 0.6  # the first position's estimate before any evidence, worth one observation
     CHAIN = 4.0  # observations a deeper position's prior (the positions before it, pooled) is worth
     CHANGED = 0.01  # a run of first-position outcomes this unlikely: the text changed
-    LONG_PRIOR = 16.0  # positions checked that `PRIOR` is worth in the long-run rate
-    LONG_MEMORY = 32.0  # positions checked or tokens gone by after which the long-run counts' old ones weigh 1/e
-    TEXT_MEMORY = 6.0  # tokens committed without a draft after which evidence weighs 1/e
+    LONG_PRIOR = 8.0  # positions checked that `PRIOR` is worth in the long-run rate
+    LONG_MEMORY = 64.0  # positions checked or tokens gone by after which the long-run counts' old ones weigh 1/e
+    UNSEEN = 0.25  # what a token gone by without a draft weighs in the long run, against a position checked
+    TEXT_MEMORY = 4.0  # tokens committed without a draft after which the first position's evidence weighs 1/e
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.depth
@@ -67,13 +68,16 @@ class AcceptanceModel:
         (A plain step yields no evidence; without this, a bad patch would keep `auto` on plain steps.)
         The long run counts these tokens at the rate last seen, so that a long stretch the drafter
         cannot draft brings it down, and a short one hardly."""
-        if self.reached[0] >= 1.0:  # the text went by at the rate last seen: the long run hears of it
-            keep = math.exp(-tokens / self.LONG_MEMORY)
-            self.long_reached = keep * self.long_reached + tokens
-            self.long_accepted = keep * self.long_accepted + tokens * self.accepted[0] / self.reached[0]
+        if self.reached[0] >= 1.0:  # the text went by at the rate last seen: the long run hears of it, faintly
+            heard = self.UNSEEN * tokens
+            keep = math.exp(-heard / self.LONG_MEMORY)
+            self.long_reached = keep * self.long_reached + heard
+            self.long_accepted = keep * self.long_accepted + heard * self.accepted[0] / self.reached[0]
+        # The first position only: it is what a patch of text the drafter cannot draft fails (the deeper
+        # positions, reached once it is passed, keep what they showed).
         scale = math.exp(-tokens / self.TEXT_MEMORY)
-        self.reached = [r * scale for r in self.reached]
-        self.accepted = [a * scale for a in self.accepted]
+        self.reached[0] *= scale
+        self.accepted[0] *= scale
 
     def forget(self, weight: float) -> None:
         """Keep every estimate but let it weigh at most `weight` observations."""

@@ -227,10 +227,12 @@ class AutoBlockSize:
 
     def absorb(self, forked: AutoBlockSize) -> None:
         """Take the acceptance `forked` ended with, in place (a calibration's acceptance memory
-        shares these objects and saves them)."""
+        shares these objects and saves them), and what it learnt of trees."""
         for name, source in self.sources.items():
             if name in forked.sources:
                 vars(source.acceptance).update(copy.deepcopy(vars(forked.sources[name].acceptance)))
+        if self.trees is not None and forked.trees is not None:  # and what its trees cost and added
+            self.trees = copy.deepcopy(forked.trees)
 
     def begin(self) -> None:
         """A new generation: its text may suit the drafter better or worse than the last one's."""

@@ -13,7 +13,8 @@ A budget's price: the verify of its N + 1 inputs, extrapolated along the linear 
 costs (the last two candidate sizes' slope), times a measured correction per budget (a tree
 cycle also builds the tree and its mask). Before the drafter has said anything, and again after
 `STALE` drafting cycles without a tree, the largest budget priced within `TRIAL` of the linear
-block is tried once: its belief covers every smaller budget.
+block is tried once, after `WARMUP` drafting cycles (a short one-shot generation does not pay for
+it; a chat's or a server's policy keeps what it learnt across replies).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class TreeArms:
     since_tree: int = 0  # drafting cycles since the last tree cycle
 
     TRIAL = 1.5  # a trial's price, at most, over the linear block's
+    WARMUP = 16  # drafting cycles before the first trial
     STALE = 64  # drafting cycles after which the drafter's belief is asked again
     MEMORY = 16.0  # tree cycles after which old calibration evidence weighs 1/e
     PRIOR = 4.0  # expected nodes' worth of belief in the drafter before its trees are seen
@@ -55,7 +57,13 @@ class TreeArms:
         if not t_top:
             return 0.0
         slope = max((t_top - t_below) / (top - below), 0.0) if top > below else 0.0
-        return (t_top + slope * max(self.nodes[budget] + 1 - top, 0)) * self.ratio.get(budget, 1.0)
+        return (t_top + slope * max(self.nodes[budget] + 1 - top, 0)) * self._ratio_for(budget)
+
+    def _ratio_for(self, budget: int) -> float:
+        """A budget's own price correction, else the nearest measured budget's (building any tree costs alike)."""
+        if budget in self.ratio or not self.ratio:
+            return self.ratio.get(budget, 1.0)
+        return self.ratio[min(self.ratio, key=lambda b: abs(b - budget))]
 
     def best(self, linear_tokens: float, rate: float, costs: CostModel, sizes: list[int], position: int,
              overhead: float) -> tuple[int, float, float] | None:
@@ -64,6 +72,8 @@ class TreeArms:
         priced = {b: self.seconds(b, costs, sizes, position) for b in self.budgets}
         if not all(priced.values()):
             return None
+        if self.belief is None and self.since_tree < self.WARMUP:
+            return None  # a short generation does not pay for the trial
         if self.belief is None or self.since_tree > self.STALE:  # ask the drafter: the widest affordable tree
             linear = costs.predict(sizes[-1], position)
             trial = [b for b in self.budgets if priced[b] <= self.TRIAL * linear]
@@ -84,6 +94,6 @@ class TreeArms:
         self.hoped = keep * self.hoped + belief.expected(self.nodes[budget], self.depth) - belief.spine
         self.belief, self.since_tree = belief, 0
         if predicted > 0:
-            ratio = self.ratio.get(budget, 1.0) * seconds / predicted
+            ratio = self._ratio_for(budget) * seconds / predicted
             old = self.ratio.get(budget)
             self.ratio[budget] = ratio if old is None else old + self.SMOOTHING * (ratio - old)

@@ -122,9 +122,10 @@ def test_the_policy_finds_the_best_size(cost, p, expect, calibrate):
     assert rates[chosen] >= 0.95 * rates[best], (chosen, best, rates)
     if expect == "16 worst":
         assert tail.count(16) <= 5
-    if calibrate:  # the calibration makes the first cycles right already
+    if calibrate:  # the calibration makes the first cycles right already (but a retry or two after plain
+        # steps, while the long-run rate still holds its prior)
         good = [rates[L] >= 0.85 * rates[best] for L in sizes[:40]]
-        assert sum(good) >= 32, sizes[:40]
+        assert sum(good) >= 30, sizes[:40]
 
 
 def replies(make, cost, p, count: int, max_tokens: int = 64, seed: int = 0, ahead_saving: float = 1.0):
@@ -279,12 +280,14 @@ def test_text_that_stops_suiting_the_drafter_is_noticed_within_a_few_cycles(chan
     for seed in range(4):
         policy = AutoBlockSize(16, base_costs=calibrated(drafter_cost))
         policy.acceptance.CHANGED = changed
-        sizes, _ = simulate(policy, 140, drafter_cost, lambda i: 0.95 if i < 100 else 0.0,
-                            np.random.default_rng(seed))
+        sizes, outcomes = simulate(policy, 140, drafter_cost, lambda i: 0.95 if i < 100 else 0.0,
+                                   np.random.default_rng(seed))
         assert sum(L >= 8 for L in sizes[60:100]) >= 36  # the list: wide blocks
         wasted.append(sum(L > 1 for L in sizes[100:]))
-    if changed:  # (a draft now and then after plain steps: the text may suit the drafter again)
-        assert max(wasted) <= 9, wasted
+        if changed:  # a draft now and then after plain steps (the text may suit the drafter again) costs
+            assert rate(outcomes[100:]) >= 0.75 / drafter_cost(1, 0)  # (a block of 6 costs 2 plain steps here)
+    if changed:
+        assert max(wasted) <= 12, wasted
     else:
         assert min(wasted) >= 12, wasted  # the failure the forgetting prevents (kept as a witness)
 
