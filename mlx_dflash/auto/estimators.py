@@ -86,13 +86,17 @@ class AcceptanceModel:
         self.accepted = [a * scale for a in self.accepted]
         self._odds = 1.0
 
+    @property
+    def long_run(self) -> float:
+        """The drafter's long-run acceptance per position checked (over `PRIOR`, worth `LONG_PRIOR` positions)."""
+        return (self.LONG_PRIOR * self.PRIOR + self.long_accepted) / (self.LONG_PRIOR + self.long_reached)
+
     def rates(self) -> list[float]:
         """Estimated acceptance per position: its own counts over a prior worth `CHAIN`
         observations, the pooled estimate of the positions before it (drafters are about
         as good a few positions on; a deep position, reached rarely, takes their word). The
         first position's prior, worth one observation, is its long-run rate."""
-        long_run = (self.LONG_PRIOR * self.PRIOR + self.long_accepted) / (self.LONG_PRIOR + self.long_reached)
-        out, pooled_a, pooled_r = [], long_run, 1.0
+        out, pooled_a, pooled_r = [], self.long_run, 1.0
         for k, (r, a) in enumerate(zip(self.reached, self.accepted, strict=True)):
             weight = self.CHAIN if k else 1.0
             out.append((a + weight * pooled_a / pooled_r) / (r + weight))

@@ -190,7 +190,9 @@ class AutoBlockSize:
     _credit: float = 0.0  # seconds probes may still lose
     _best_rate: float = 0.0  # during a probe: the best size's expected tokens per second
     _whole: bool = False  # the drafter's best size's last block was accepted whole
+    _plain: bool = False  # the last cycle was a plain step
     _promised: bool = False
+    HYSTERESIS = 0.1  # after a plain step, drafting must be expected this much faster to be taken
     _position: int = 0
     _last_end: float | None = None
 
@@ -240,12 +242,10 @@ class AutoBlockSize:
         for source in self.sources.values():
             source.acceptance.forget(self.carry_over)
 
-    def scores(self, position: int, source: str | None = None, acceptance: AcceptanceModel | None = None
-               ) -> dict[int, float]:
-        """Expected committed tokens per second of every candidate size of `source` (default: the last one's),
-        by its acceptance estimate (or by `acceptance`)."""
+    def scores(self, position: int, source: str | None = None) -> dict[int, float]:
+        """Expected committed tokens per second of every candidate size of `source` (default: the last one's)."""
         model = self.sources[source or self.source]
-        expected = (acceptance or model.acceptance).expected_tokens()
+        expected = model.acceptance.expected_tokens()
         # Uncalibrated and nothing measured yet: the generic shape (in plain steps).
         seconds = {L: model.costs.predict(L, position) or model.costs.shape(L) for L in self.sizes}
         return {L: expected[L] / (seconds[L] + self.overhead + 1e-9) for L in self.sizes}
@@ -291,6 +291,8 @@ class AutoBlockSize:
         if not costs.base and 1 not in costs.ratio and self.acceptance.rates()[0] < 0.5:
             return 1, scores[1]  # uncalibrated, and the drafter looks weak: learn what a plain step costs
         size = max(self.sizes, key=scores.__getitem__)
+        if self._plain and scores[size] < (1.0 + self.HYSTERESIS) * scores[1]:
+            size = 1  # back from plain steps only by a margin: an estimate aged near a tie would flip-flop
         rate = scores[size]
         probe = self._probe(size, scores, position, 0.0)
         if probe is not None:
@@ -316,8 +318,10 @@ class AutoBlockSize:
     def promise_plain(self) -> bool:
         if self.probing or self._promised:
             return False
-        scores = {name: self.scores(self._position, name, self._after_plain(name)) for name in self.sources}
-        if any(by_size[L] >= 0.95 * by_size[1] for by_size in scores.values() for L in self.sizes if L > 1):
+        # (today's estimates: the step's ageing may tip the choice after next, never the next one)
+        scores = {name: self.scores(self._position, name) for name in self.sources}
+        near = 0.95 * (1.0 + self.HYSTERESIS)  # what the next choice, after a plain step, takes to leave them
+        if any(by_size[L] >= near * by_size[1] for by_size in scores.values() for L in self.sizes if L > 1):
             return False  # a near tie: this cycle's measurement may change the choice
         self._promised = True
         if DFLASH in self.sources:  # unless the drafter's next cycle may be a probe
@@ -335,13 +339,13 @@ class AutoBlockSize:
         self._credit = min(self._credit + self.probe_share * (seconds + self.overhead), 2.0 * seconds)
         self._last_end = time.perf_counter()
 
-    def _after_plain(self, source: str) -> AcceptanceModel | None:
-        """The drafter's estimate as the next choice will see it after this plain step (`record` ages it)."""
-        if source != DFLASH:
-            return None
-        aged = copy.deepcopy(self.sources[DFLASH].acceptance)
-        aged.age(1)
-        return aged
+    def _worth_asking_again(self) -> bool:
+        """Would the drafter, at its long-run rate, clearly beat plain steps? Only then does text gone by
+        without it bring it back (a drafter near a tie with plain steps in the long run is left alone)."""
+        q, costs = min(self.acceptance.long_run, 0.999), self.sources[DFLASH].costs
+        seconds = {L: costs.predict(L, self._position) or costs.shape(L) for L in self.sizes}
+        best = max((1.0 - q**L) / (1.0 - q) / (seconds[L] + self.overhead) for L in self.sizes if L > 1)
+        return best >= (1.0 + self.HYSTERESIS) / (seconds[1] + self.overhead)
 
     def shadow(self, source: str, drafted: int, accepted: int) -> None:
         if source in self.sources:
@@ -349,12 +353,13 @@ class AutoBlockSize:
 
     def record(self, size: int, accepted: int, seconds: float, spine: int | None = None,
                belief: DraftBelief | None = None) -> None:
+        self._plain = size == 1
         if self.tree:
             self._record_tree(accepted, seconds, spine, belief)
             return
         if size > 1:
             self.sources[self.source].acceptance.observe(size - 1, accepted)
-        if DFLASH in self.sources and (size == 1 or self.source != DFLASH):
+        if DFLASH in self.sources and (size == 1 or self.source != DFLASH) and self._worth_asking_again():
             self.sources[DFLASH].acceptance.age(accepted + 1)  # text went by without the drafter's word
         if not self.probing and self.source == DFLASH:
             self._whole = size > 1 and accepted == size - 1

@@ -271,7 +271,8 @@ class DecodingSession:
         offers = {DFLASH: MAX_PROPOSAL} if self.proposer is not None else {}
         if looked_up:
             offers[LOOKUP] = len(looked_up)
-        if self.proposer is not None and self.tree_refusal() is None:
+        wants_trees = getattr(policy, "tree_budgets", ()) or getattr(policy, "tree_budget", 0)
+        if wants_trees and self.proposer is not None and self.tree_refusal() is None:
             offers[TREE] = MAX_PROPOSAL
         # Timing-based choices differ between ranks: every rank takes rank 0's.
         size = self.target.agree_int(policy.choose(budget, self.position, offers))

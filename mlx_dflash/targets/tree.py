@@ -30,14 +30,18 @@ TREE_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen2", "llama", "mistral")
 _ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "rope", "n_heads", "n_kv_heads", "scale")
 _LAYER_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
 _COMPACTABLE = (KVCache, QuantizedKVCache)
-_refusals: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> the reason found once
+# id of the mlx-lm model -> the reason found once (a `TargetModel` is rebuilt around the same model per
+# generation); an entry goes with its model.
+_refusals: dict[int, str | None] = {}
 
 
 def tree_refusal(target: TargetModel) -> str | None:
-    """Why `target` cannot verify draft trees, or None when it can (checked once per target)."""
-    if target not in _refusals:
-        _refusals[target] = _find_refusal(target)
-    return _refusals[target]
+    """Why `target` cannot verify draft trees, or None when it can (checked once per model)."""
+    key = id(target.model)
+    if key not in _refusals:
+        _refusals[key] = _find_refusal(target)
+        weakref.finalize(target.model, _refusals.pop, key, None)
+    return _refusals[key]
 
 
 def _find_refusal(target: TargetModel) -> str | None:

@@ -385,6 +385,9 @@ def test_a_promise_binds_only_a_plain_step_the_policy_would_choose(p):
             policy.record(size, accepted, seconds)
             position += accepted + 1
             if promise:
+                # The promise is made on today's estimates: this step's ageing (text gone by without a
+                # draft) may tip the choice a step later, so the twin does not age here.
+                twin.sources["dflash"].acceptance.TEXT_MEMORY = float("inf")
                 twin.record(size, accepted, seconds)
                 # A probe the twin would take now may come a cycle later (this plain step's measured cost can
                 # make it look cheaper than the promise foresaw); any other choice must be the plain step.
@@ -395,8 +398,7 @@ def test_a_promise_binds_only_a_plain_step_the_policy_would_choose(p):
             promised = promise
         if p < 0.5:  # plain steps are best: nearly all of them come pipelined, and probes still come
             assert probes > 0
-            # (not all: as plain steps go by, the drafter's estimate drifts back and near ties come)
-            assert sum(promises) >= 0.8 * sizes.count(1) > 0
+            assert sum(promises) >= 0.85 * sizes.count(1) > 0
 
 
 def test_one_rejection_just_past_the_chosen_block_does_not_condemn_the_deeper_positions():
