@@ -11,13 +11,13 @@ each importing only the ones listed below it:
     bench/ train/  `dflash-mlx bench` and `dflash-mlx train`
     (this level) the public API: generate.py, chat.py, doctor.py
     batching/    several sessions in one draft and one verify forward, and their ragged caches
-    auto/        `--block-size auto`: the policy, its estimators, calibration, the acceptance memory
-    decoding/    the decode loop, the session, one speculative step and its acceptance rule, sampling
+    auto/        `--block-size auto`: the policy, its estimators, calibration, the acceptance memory, tree budgets
+    decoding/    the decode loop, the session, one speculative step and its acceptance rule, sampling, trees
     loading/     short names, the Hub, the converted cache, `load`
     convert/     checkpoints to MLX directories, and building a model from its config
     proposers/   who proposes tokens: DFlash, DFlash2, prompt lookup, the rank follower, one factory
     drafters/    the draft models, their context K/V injection and draft cache, the pairing check
-    targets/     the target's forward with captured hidden states, per family; dtypes
+    targets/     the target's forward with captured hidden states, per family; the tree pass; dtypes
     distributed/ ranks over `mx.distributed`: the world, start-up agreement, fingerprints
     kernels/     the Metal kernels of the K/V injection, each beside its pure-MLX twin
     platform/    what must precede MLX (OpenBLAS), the runtime (streams, wired memory), files
