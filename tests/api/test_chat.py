@@ -6,6 +6,7 @@ import itertools
 
 import mlx.core as mx
 import pytest
+from helpers.chat_turns import run_turn
 from helpers.families import CountingTarget
 from helpers.tiny import EOS_ID, VOCAB, ScriptedProposer, greedy_reference, save_target, tiny_drafter, tiny_target
 
@@ -32,20 +33,6 @@ def endless(pair):
     model.model.embed_tokens.weight = mx.where(mx.arange(weight.shape[0])[:, None] == EOS_ID, 0.0, weight)
     mx.eval(model.parameters())
     return model, tokenizer, tiny_drafter(model, block_size=8)
-
-
-def run_turn(engine: ChatEngine, text: str, stop_after: int | None = None, **kwargs):
-    """Drive one turn; with `stop_after`, request a stop after that many cycle events."""
-    turn = engine.send(text, **kwargs)
-    events = 0
-    while True:
-        try:
-            next(turn)
-        except StopIteration as done:
-            return done.value
-        events += 1
-        if stop_after is not None and events == stop_after:
-            engine.request_stop()
 
 
 def assert_consistent(engine: ChatEngine) -> None:

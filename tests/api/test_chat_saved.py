@@ -7,6 +7,7 @@ import itertools
 from dataclasses import replace
 
 import pytest
+from helpers.chat_turns import run_turn
 from helpers.families import CountingTarget, build, cached_pair
 from helpers.tiny import tiny_drafter, tiny_tokenizer
 
@@ -30,15 +31,6 @@ def tokenizer(tmp_path_factory):
 def models():
     """Per family: a target and a drafter for it."""
     return {family: cached_pair(family) for family in ("qwen3", "qwen3_5")}
-
-
-def run_turn(engine: ChatEngine, text: str):
-    turn = engine.send(text)
-    while True:
-        try:
-            next(turn)
-        except StopIteration as done:
-            return done.value
 
 
 def first_turn(engine: ChatEngine) -> None:

@@ -7,6 +7,7 @@ on a pair that cannot verify trees is refused with the reason; "auto" falls back
 from __future__ import annotations
 
 import pytest
+from helpers.chat_turns import run_turn
 from helpers.families import cached_pair
 from helpers.tiny import EOS_ID, greedy_reference, tiny_drafter, tiny_target, tiny_tokenizer
 from helpers.tiny_dflash2 import tiny_dflash2
@@ -90,26 +91,17 @@ def test_bad_values_are_refused(pair, tokenizer):
         run(model, tokenizer, drafter, tree_shape="bush")
 
 
-def _reply(engine: ChatEngine, text: str):
-    turn = engine.send(text)
-    while True:
-        try:
-            next(turn)
-        except StopIteration as done:
-            return done.value
-
-
 def test_the_chat_engine_verifies_trees_as_its_settings_say(pair, tokenizer, tmp_path):
     model, drafter = pair
     linear = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=16, block_size=6))
     trees = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=16, block_size=6, tree_budget="16"))
     assert trees.settings.tree_budget == 16 and trees.settings.tree_shape == "spine"
     for text in ("hello", "and then?"):
-        assert _reply(trees, text).tokens == _reply(linear, text).tokens
+        assert run_turn(trees, text).tokens == run_turn(linear, text).tokens
     assert 16 in trees.totals.tree_sizes and set(linear.totals.tree_sizes) == {0}
     assert len(trees.totals.tree_sizes) == len(trees.totals.acceptance_lengths)
     trees.set_trees(0)
-    turn = _reply(trees, "more")
+    turn = run_turn(trees, "more")
     assert set(turn.stats.tree_sizes) == {0}
     trees.set_trees(8, "paper")
     assert (trees.settings.tree_budget, trees.settings.tree_shape) == (8, "paper")
@@ -117,7 +109,7 @@ def test_the_chat_engine_verifies_trees_as_its_settings_say(pair, tokenizer, tmp
     again = ChatEngine(model, tokenizer, drafter, ChatSettings(max_tokens=16))
     again.load(tmp_path / "c.safetensors")
     assert (again.settings.tree_budget, again.settings.tree_shape) == (8, "paper")
-    assert 8 in _reply(again, "go on").stats.tree_sizes
+    assert 8 in run_turn(again, "go on").stats.tree_sizes
 
 
 def test_the_chat_engine_refuses_an_explicit_budget_a_hybrid_cannot_verify(tokenizer):
@@ -128,4 +120,4 @@ def test_the_chat_engine_refuses_an_explicit_budget_a_hybrid_cannot_verify(token
     with pytest.raises(DFlashError, match="qwen3_5 targets"):
         engine.set_trees(16)
     assert engine.settings.tree_budget == "auto"  # unchanged by the refusal
-    assert set(_reply(engine, "hi").stats.tree_sizes) <= {0}
+    assert set(run_turn(engine, "hi").stats.tree_sizes) <= {0}
