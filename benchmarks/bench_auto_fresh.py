@@ -1,12 +1,15 @@
 """`auto` with no calibration and a new policy per request, against fixed sizes and the target alone.
 
     python benchmarks/bench_auto_fresh.py --data-dir ../shared/data [--q 0.0 --block 8 --prompts 10]
+    python benchmarks/bench_auto_fresh.py --data-dir ../shared/data --drafter --context 4096 --prompts 3
 
 The case of a one-shot `generate()` through the Python API: nothing measured or remembered
 beforehand. The proposer is the benchmark's oracle (the target's own greedy continuation,
 each position wrong at rate `--q`), so that its strength is known; `--q 0` is a pair whose
-blocks are accepted whole. Modes run interleaved on every prompt; each greedy output is
-checked against the target alone's. Printed: pooled decode tok/s per mode and the ratios.
+blocks are accepted whole. `--drafter` takes the default pair's shipped drafter instead, and
+`--context N` pads each prompt with the other prompts' text to about N tokens (a long one-shot
+request). Modes run interleaved on every prompt; each greedy output is checked against the
+target alone's. Printed: pooled decode tok/s per mode and the ratios.
 """
 
 # ruff: noqa: I001  (mlx_dflash first: on Linux it loads OpenBLAS before mlx.core)
@@ -21,7 +24,7 @@ import mlx_dflash
 
 from mlx_dflash.bench.datasets import load_prompts
 from mlx_dflash.bench.proposers import CorruptedGreedyFactory
-from mlx_dflash.bench.runner import chat_ids
+from mlx_dflash.bench.runner import chat_ids, filler_text
 from mlx_dflash.loading.resolve import choose_pair
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,14 +40,28 @@ def main() -> None:
     parser.add_argument("--q", type=float, default=0.0, help="oracle error rate per position")
     parser.add_argument("--block", type=int, default=8, help="the proposer's widest block")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--drafter", action="store_true", help="the shipped drafter instead of the oracle")
+    parser.add_argument("--context", type=int, default=0, help="pad each prompt to about this many tokens")
+    parser.add_argument("--no-fixed", action="store_true", help="leave out the fixed block (slow at long contexts)")
     args = parser.parse_args()
 
-    model, tokenizer, _ = mlx_dflash.load(choose_pair(None, None).target)
-    oracle = CorruptedGreedyFactory(model, tokenizer, args.q, block_size=args.block)
-    modes = {"target": None, "auto": "auto", f"b{args.block}": args.block}
+    pair = choose_pair(None, None)
+    model, tokenizer, _ = mlx_dflash.load(pair.target)
+    if args.drafter:
+        drafter = mlx_dflash.load_drafter(pair.draft)
+        args.block = drafter.block_size
+
+        def oracle(ids, max_tokens):
+            return drafter
+    else:
+        oracle = CorruptedGreedyFactory(model, tokenizer, args.q, block_size=args.block)
+    modes = {"target": None, "auto": "auto", **({} if args.no_fixed else {f"b{args.block}": args.block})}
     totals = {m: [0, 0.0] for m in modes}
-    prompts = [chat_ids(tokenizer, [{"role": "user", "content": p.turns[0]}], None)
-               for p in load_prompts(args.dataset, args.data_dir, limit=args.prompts)]
+    texts = [p.turns[0] for p in load_prompts(args.dataset, args.data_dir, limit=args.prompts)]
+    if args.context:
+        texts = [filler_text(tokenizer, [o for o in texts if o != t] or texts, args.context) + "\n\n" + t
+                 for t in texts]
+    prompts = [chat_ids(tokenizer, [{"role": "user", "content": t}], None) for t in texts]
     for r in range(args.rounds):
         for i, ids in enumerate(prompts):
             reference = None
@@ -61,11 +78,12 @@ def main() -> None:
                 if tokens != reference[1]:
                     sys.exit(f"prompt {i}: {mode} differs from {reference[0]}")
     rates = {m: n / s for m, (n, s) in totals.items()}
-    print(f"{machine()}; oracle q={args.q}, block {args.block}, {len(prompts)} prompts x {args.rounds} rounds, "
-          f"{args.max_tokens} tokens; every output identical")
+    proposer = "the shipped drafter" if args.drafter else f"oracle q={args.q}"
+    print(f"{machine()}; {proposer}, block {args.block}, {len(prompts)} prompts of {min(map(len, prompts))}-"
+          f"{max(map(len, prompts))} tokens x {args.rounds} rounds, {args.max_tokens} tokens; every output identical")
     for m, tps in rates.items():
-        print(f"{m:>8}: {tps:6.1f} tok/s  {tps / rates['target']:.2f}x target  "
-              f"{tps / rates[f'b{args.block}']:.2f}x b{args.block}")
+        print(f"{m:>8}: {tps:6.1f} tok/s  {tps / rates['target']:.2f}x target"
+              + (f"  {tps / rates[f'b{args.block}']:.2f}x b{args.block}" if f"b{args.block}" in rates else ""))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ class Regime:
     cost: Callable[[int, int], float]  # (block size, context position) -> plain-step units
     acceptance: Callable[[int, int], float]  # (draft position k >= 1, reply index) -> P(accepted | reached)
     max_block: int = 16
-    context: int = 0
+    context: int = 0  # the prompt's positions
+    prefill: float = 0.0  # the prompt's prefill per position (plain-step units), told to the policy
 
 
 def constant(p: float) -> Callable[[int, int], float]:
@@ -65,7 +66,7 @@ REGIMES = [
     Regime("mac, tau~6.5 at 16", mac, constant(0.86)),
     Regime("mac, falling acceptance", mac, falling(0.95, 0.02)),
     Regime("cpu, weak drafter", cpu, falling(0.35, 0.01)),
-    Regime("cpu 4k, weak drafter", cpu_4k, falling(0.35, 0.01)),
+    Regime("cpu 4k, weak drafter", cpu_4k, falling(0.35, 0.01), context=4096, prefill=0.2),
     Regime("cpu, useless drafter", cpu, constant(0.0)),
     Regime("tiny, block 8 whole", tiny, constant(0.995), max_block=8),
     Regime("cpu, strong", cpu, constant(0.9)),
@@ -75,7 +76,10 @@ REGIMES = [
 
 def decode_reply(policy, regime: Regime, reply: int, max_tokens: int, rng) -> tuple[int, float]:
     """One reply through `policy`: (tokens, time in plain-step units)."""
-    policy.begin()
+    try:
+        policy.begin((regime.context, regime.prefill * regime.context))
+    except TypeError:  # an older policy (`--policy`) that is not told of the prefill
+        policy.begin()
     tokens, seconds, position, promised = 1, 0.0, regime.context, False
     while tokens < max_tokens:
         size = policy.choose(max_tokens - tokens, position)

@@ -62,7 +62,7 @@ class AcceptanceModel:
         self.long_reached = keep * self.long_reached + reached
         self.long_accepted = keep * self.long_accepted + accepted
 
-    def age(self, tokens: int) -> None:
+    def age(self, tokens: float) -> None:
         """`tokens` were committed without a draft of this source: what was seen before them says
         less about the text now, so the estimates drift back towards the drafter's long-run quality.
         (A plain step yields no evidence; without this, a bad patch would keep `auto` on plain steps.)
@@ -139,6 +139,7 @@ class CostModel:
     updated: dict[int, int] = field(default_factory=dict)  # L -> `observations` at its last measurement
     observations: int = 0
     shape: Any = generic_cost  # L -> plain-step units, for sizes not calibrated
+    per_input: float = 0.0  # uncalibrated: seconds per verified input beyond the first (a long prefill's rate)
 
     STALE = 32  # observations of other sizes after which a size's own correction gives way
 
@@ -148,7 +149,7 @@ class CostModel:
             return max(a + b * position, 1e-6)
         if 1 in self.base:
             return self.base_seconds(1, position) * self.shape(size)
-        return self.unit * self.shape(size) if self.unit else None
+        return self.unit * self.shape(size) + self.per_input * (size - 1) if self.unit else None
 
     def predict(self, size: int, position: int) -> float:
         """Expected seconds of a cycle of `size` (0.0: no opinion yet)."""
@@ -168,7 +169,7 @@ class CostModel:
 
     def observe(self, size: int, position: int, seconds: float) -> None:
         if self.base_seconds(size, position) is None:
-            self.unit = seconds / self.shape(size)
+            self.unit = max(seconds - self.per_input * (size - 1), 0.1 * seconds) / self.shape(size)
         measured = seconds / self.base_seconds(size, position)
         if not self.ratio:
             self.ratio[size] = measured

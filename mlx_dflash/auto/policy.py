@@ -25,8 +25,14 @@ changes the speed, never the output.
   `probe_share` of the time, a neighbour of the best size is tried: the next larger one
   after a block accepted whole (never a smaller one then: it would measure nothing new),
   else the better-scoring neighbour.
-- With no evidence of the drafter yet, the widest block is tried: one cycle measures
-  every position. Uncalibrated, a plain step follows when its first position was rejected.
+- With no evidence of the drafter yet, the widest block priced within 1.5x the narrowest is tried
+  (on a Mac, the widest: one cycle measures every position). Uncalibrated, a plain step follows
+  when its first position was rejected, and comes first after a long prefill, whose time per
+  position prices each verified input (`CostModel.per_input`) where a wide verify costs many steps.
+- On plain steps the drafter is asked again (`_ask`) when what finding it good again would bring
+  (drafting at its long-run rate over the few tokens a bad patch is expected to last, times the
+  chance its first position is accepted now) outweighs what the draft is expected to lose; each
+  refusal in a row doubles the wait, so a long patch costs few asks.
 
 Each proposal source (the DFlash drafter, prompt lookup: `mlx_dflash.proposers.lookup`) keeps its own
 acceptance and costs; plain steps are priced for all alike. Each cycle takes the source and
@@ -186,6 +192,9 @@ class AutoBlockSize:
     _tree_expected: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a tree choice's (linear tokens, tokens, s)
     overhead: float = 0.0  # seconds between cycles (streaming), smoothed
     probing: bool = False  # the last choice was a probe
+    asking: bool = False  # the last choice asked the drafter again, from plain steps
+    _refused: int = 0  # drafts after plain steps (asks, probes) in a row whose first position was rejected
+    _unasked: int = 0  # tokens committed by plain steps since the drafter's last cycle
     _since_probe: int = 0
     _credit: float = 0.0  # seconds probes may still lose
     _best_rate: float = 0.0  # during a probe: the best size's expected tokens per second
@@ -193,6 +202,8 @@ class AutoBlockSize:
     _plain: bool = False  # the last cycle was a plain step
     _promised: bool = False
     HYSTERESIS = 0.1  # after a plain step, drafting must be expected this much faster to be taken
+    LONG_PREFILL = 1024  # positions of a prefill long enough to price a verified input by
+    FIRST_WIDTH = 1.5  # the first block, nothing known of the drafter: the widest within this of the narrowest's price
     _position: int = 0
     _last_end: float | None = None
 
@@ -236,11 +247,15 @@ class AutoBlockSize:
         if self.trees is not None and forked.trees is not None:  # and what its trees cost and added
             self.trees = copy.deepcopy(forked.trees)
 
-    def begin(self) -> None:
-        """A new generation: its text may suit the drafter better or worse than the last one's."""
+    def begin(self, prefill: tuple[int, float] | None = None) -> None:
+        """A new generation: its text may suit the drafter better or worse than the last one's. A long
+        `prefill` (positions, seconds) tells what each verified input costs beyond the first, for the
+        sizes not calibrated or measured yet (on a machine short of compute a wide verify costs many steps)."""
         self._last_end, self._promised = None, False
         for source in self.sources.values():
             source.acceptance.forget(self.carry_over)
+            if prefill is not None and prefill[0] >= self.LONG_PREFILL and prefill[1] > 0:
+                source.costs.per_input = prefill[1] / prefill[0]
 
     def scores(self, position: int, source: str | None = None) -> dict[int, float]:
         """Expected committed tokens per second of every candidate size of `source` (default: the last one's)."""
@@ -255,17 +270,20 @@ class AutoBlockSize:
         if self._last_end is not None:
             self.overhead += 0.25 * (time.perf_counter() - self._last_end - self.overhead)
         offers = {DFLASH: self.max_block - 1} if offers is None else offers
-        trees = self.trees if TREE in offers and limit >= self.max_block else None
+        trees = self.trees if TREE in offers else None
         offers = {name: n for name, n in offers.items() if name in self.sources and n > 0}
-        self.probing, self.source, self.tree = False, DFLASH if DFLASH in offers else next(iter(self.sources)), 0
+        self.probing, self.asking = False, False
+        self.source, self.tree = DFLASH if DFLASH in offers else next(iter(self.sources)), 0
         size, rate = 1, None  # the choice and its expected tokens per second
         if limit > 1 and not self._promised and DFLASH in offers:
             size, rate = self._choose_drafted(position)
-            if trees is not None and size > 1 and not self.probing:
-                linear = self.acceptance.expected_tokens()[self.max_block]
-                tree = trees.best(linear, rate, self.costs, self.sizes, position, self.overhead)
+            if trees is not None and size > 1 and not self.asking:  # a tree worth more than a probe's news
+                block = min(limit, self.max_block)  # near the end of a reply a tree drafts fewer positions
+                linear = self.acceptance.expected_tokens()[block]
+                tree = trees.best(linear, rate, self.costs, self.sizes, position, self.overhead, block - 1)
                 if tree is not None:
-                    self.tree, size, rate = tree[0], self.max_block, tree[1] / (tree[2] + self.overhead)
+                    self.tree, size, rate = tree[0], block, tree[1] / (tree[2] + self.overhead)
+                    self.probing = False
                     self._tree_expected = (linear, tree[1], tree[2])
         for name in sorted(offers.keys() - {DFLASH}) if limit > 1 and not self._promised else []:
             scores = self.scores(position, name)  # judged by its shadowed record: never probed
@@ -285,15 +303,22 @@ class AutoBlockSize:
     def _choose_drafted(self, position: int) -> tuple[int, float]:
         """The drafter's best size (or a probe of a neighbour, or 1) and the best size's expected rate."""
         scores = self.scores(position, DFLASH)
-        if self.acceptance.evidence == 0:  # nothing known of the drafter: the widest block measures every position
-            return self.sizes[-1], scores[self.sizes[-1]]
         costs = self.sources[DFLASH].costs
+        if self.acceptance.evidence == 0:  # nothing known of the drafter: a wide block measures many positions
+            if costs.per_input and not costs.base and costs.unit is None:
+                return 1, scores[1]  # after a long prefill, a plain step's price first: a wide verify may cost many
+            seconds = {L: costs.predict(L, position) or costs.shape(L) for L in self.sizes[1:]}
+            size = max(L for L in self.sizes[1:] if seconds[L] <= self.FIRST_WIDTH * seconds[self.sizes[1]])
+            return size, scores[size]
         if not costs.base and 1 not in costs.ratio and self.acceptance.rates()[0] < 0.5:
             return 1, scores[1]  # uncalibrated, and the drafter looks weak: learn what a plain step costs
         size = max(self.sizes, key=scores.__getitem__)
         if self._plain and scores[size] < (1.0 + self.HYSTERESIS) * scores[1]:
             size = 1  # back from plain steps only by a margin: an estimate aged near a tie would flip-flop
         rate = scores[size]
+        if size == 1 and self._ask(scores, position):
+            self.asking = True
+            return max(self.sizes[1:], key=scores.__getitem__), rate
         probe = self._probe(size, scores, position, 0.0)
         if probe is not None:
             size, self.probing, self._best_rate = probe[0], True, rate
@@ -315,6 +340,21 @@ class AutoBlockSize:
         loss = max(seconds * (1.0 - scores[probe] / scores[best]), 0.0)
         return (probe, loss) if self._credit + earned >= loss else None
 
+    def _ask(self, scores: dict[int, float], position: int) -> bool:
+        """Ask the drafter again, from plain steps, now? A plain step yields no evidence of it, so asking is
+        worth what the answer may bring: with the chance that its first position is accepted now, drafting
+        at its long-run rate instead of plain steps over the text a patch is expected to last
+        (`TEXT_MEMORY` tokens); against what the draft is expected to lose at today's estimate."""
+        if self._unasked < 2**self._refused:  # each refusal in a row doubles the wait: this patch is a long one
+            return False
+        gain = self._long_run_gain()
+        if gain <= 1.0:
+            return False
+        size = max(self.sizes[1:], key=scores.__getitem__)
+        loss = (self.sources[DFLASH].costs.predict(size, position) or 0.0) * (1.0 - scores[size] / scores[1])
+        hoped = self.acceptance.rates()[0] * self.acceptance.TEXT_MEMORY / scores[1] * (1.0 - 1.0 / gain)
+        return hoped >= loss
+
     def promise_plain(self) -> bool:
         if self.probing or self._promised:
             return False
@@ -324,28 +364,29 @@ class AutoBlockSize:
         if any(by_size[L] >= near * by_size[1] for by_size in scores.values() for L in self.sizes if L > 1):
             return False  # a near tie: this cycle's measurement may change the choice
         self._promised = True
-        if DFLASH in self.sources:  # unless the drafter's next cycle may be a probe
-            self._since_probe += 1  # as the next cycle will see it
+        if DFLASH in self.sources:  # unless the drafter's next cycle may be a probe or ask it again
+            self._since_probe, self._unasked = self._since_probe + 1, self._unasked + 1  # as the next cycle sees them
             earned = self.probe_share * self.sources[DFLASH].costs.predict(1, self._position)
-            self._promised = self._probe(1, scores[DFLASH], self._position, earned) is None
-            self._since_probe -= 1
+            self._promised = self._probe(1, scores[DFLASH], self._position, earned) is None \
+                and not self._ask(scores[DFLASH], self._position)
+            self._since_probe, self._unasked = self._since_probe - 1, self._unasked - 1
         return self._promised
 
-    def _record_tree(self, accepted: int, seconds: float, spine: int | None, belief: DraftBelief | None) -> None:
+    def _record_tree(self, size: int, accepted: int, seconds: float, spine: int | None,
+                     belief: DraftBelief | None) -> None:
         """A tree cycle: what its branches added and its price; its spine is a linear block's evidence."""
         if spine is not None and belief is not None:
-            self.trees.observe(self.tree, accepted, spine, belief, seconds, self._tree_expected[2])
-            self.acceptance.observe(self.max_block - 1, spine)
+            self.trees.observe(self.tree, accepted, spine, belief, seconds, self._tree_expected[2], size - 1)
+            self.acceptance.observe(size - 1, spine)
         self._credit = min(self._credit + self.probe_share * (seconds + self.overhead), 2.0 * seconds)
         self._last_end = time.perf_counter()
 
-    def _worth_asking_again(self) -> bool:
-        """Would the drafter, at its long-run rate, clearly beat plain steps? Only then does text gone by
-        without it bring it back (a drafter near a tie with plain steps in the long run is left alone)."""
+    def _long_run_gain(self) -> float:
+        """The drafter's best rate at its long-run acceptance, over plain steps' rate."""
         q, costs = min(self.acceptance.long_run, 0.999), self.sources[DFLASH].costs
         seconds = {L: costs.predict(L, self._position) or costs.shape(L) for L in self.sizes}
         best = max((1.0 - q**L) / (1.0 - q) / (seconds[L] + self.overhead) for L in self.sizes if L > 1)
-        return best >= (1.0 + self.HYSTERESIS) / (seconds[1] + self.overhead)
+        return best * (seconds[1] + self.overhead)
 
     def shadow(self, source: str, drafted: int, accepted: int) -> None:
         if source in self.sources:
@@ -354,13 +395,19 @@ class AutoBlockSize:
     def record(self, size: int, accepted: int, seconds: float, spine: int | None = None,
                belief: DraftBelief | None = None) -> None:
         self._plain = size == 1
+        if size == 1:
+            self._unasked += 1
+        elif self.source == DFLASH:
+            self._refused = 0 if accepted else self._refused + (self._unasked > 0)  # asked from plain steps
+            self._unasked = 0
         if self.tree:
-            self._record_tree(accepted, seconds, spine, belief)
+            self._record_tree(size, accepted, seconds, spine, belief)
             return
         if size > 1:
             self.sources[self.source].acceptance.observe(size - 1, accepted)
-        if DFLASH in self.sources and (size == 1 or self.source != DFLASH) and self._worth_asking_again():
-            self.sources[DFLASH].acceptance.age(accepted + 1)  # text went by without the drafter's word
+        gone_by = size == 1 or self.source != DFLASH  # text went by without the drafter's word
+        if DFLASH in self.sources and gone_by and self._long_run_gain() >= 1.0 + self.HYSTERESIS:
+            self.sources[DFLASH].acceptance.age((accepted + 1) / (1 + self._refused))  # slower as refusals mount
         if not self.probing and self.source == DFLASH:
             self._whole = size > 1 and accepted == size - 1
         for source in self.sources.values() if size == 1 else [self.sources[self.source]]:

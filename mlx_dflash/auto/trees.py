@@ -13,8 +13,12 @@ A budget's price: the verify of its N + 1 inputs, extrapolated along the linear 
 costs (the last two candidate sizes' slope), times a measured correction per budget (a tree
 cycle also builds the tree and its mask). Before the drafter has said anything, and again after
 `STALE` drafting cycles without a tree, the largest budget priced within `TRIAL` of the linear
-block is tried once, after `WARMUP` drafting cycles (a short one-shot generation does not pay for
-it; a chat's or a server's policy keeps what it learnt across replies).
+block is tried once, as soon as what it may lose (its time less the linear choice's for the linear
+block's tokens: it holds the linear draft) is within `TRIAL_SHARE` of the drafting time gone by:
+a short one-shot generation does not pay much for it, and a chat's or a server's policy keeps what
+it learnt across replies. While a tree is chosen, the linear sizes are not probed (a probe would
+give up the tree's tokens for news of sizes not in use); near a reply's end a tree drafts fewer
+positions.
 """
 
 from __future__ import annotations
@@ -37,9 +41,10 @@ class TreeArms:
     hoped: float = 0.0  # what the drafter expected them to add, decayed sum
     ratio: dict[int, float] = field(default_factory=dict)  # budget -> measured seconds over extrapolated
     since_tree: int = 0  # drafting cycles since the last tree cycle
+    untried: float = 0.0  # seconds of drafting cycles since the last tree cycle
 
     TRIAL = 1.5  # a trial's price, at most, over the linear block's
-    WARMUP = 16  # drafting cycles before the first trial
+    TRIAL_SHARE = 0.2  # of the drafting time since the last tree, what a trial may lose
     STALE = 64  # drafting cycles after which the drafter's belief is asked again
     MEMORY = 16.0  # tree cycles after which old calibration evidence weighs 1/e
     PRIOR = 4.0  # expected nodes' worth of belief in the drafter before its trees are seen
@@ -66,33 +71,41 @@ class TreeArms:
         return self.ratio[min(self.ratio, key=lambda b: abs(b - budget))]
 
     def best(self, linear_tokens: float, rate: float, costs: CostModel, sizes: list[int], position: int,
-             overhead: float) -> tuple[int, float, float] | None:
-        """The budget to verify now, if any: (budget, expected tokens, seconds). `rate`: the linear choice's."""
+             overhead: float, depth: int | None = None) -> tuple[int, float, float] | None:
+        """The budget to verify now, if any: (budget, expected tokens, seconds). `rate`: the linear choice's;
+        `depth`: the draft positions this cycle may take (fewer near the end of a reply)."""
         self.since_tree += 1
         priced = {b: self.seconds(b, costs, sizes, position) for b in self.budgets}
         if not all(priced.values()):
             return None
-        if self.belief is None and self.since_tree < self.WARMUP:
-            return None  # a short generation does not pay for the trial
+        linear = costs.predict(sizes[-1], position)
+        self.untried += linear
         if self.belief is None or self.since_tree > self.STALE:  # ask the drafter: the widest affordable tree
-            linear = costs.predict(sizes[-1], position)
             trial = [b for b in self.budgets if priced[b] <= self.TRIAL * linear]
-            return (max(trial), linear_tokens, priced[max(trial)]) if trial else None
+            if not trial or (depth is not None and depth < self.depth):
+                return None  # (a full-depth tree: its belief is what the next ones are judged by)
+            # What it may lose: its time less what the linear choice takes for the linear block's tokens.
+            if priced[max(trial)] + overhead - linear_tokens / rate > self.TRIAL_SHARE * (self.untried - linear):
+                return None  # not yet paid for by the drafting time gone by
+            return max(trial), linear_tokens, priced[max(trial)]
         choice, best_rate = None, rate
         for budget, seconds in priced.items():
-            extra = self.belief.expected(self.nodes[budget], self.depth) - self.belief.spine
+            extra = self.belief.expected(self.nodes[budget], depth or self.depth) - self.belief.spine
             tokens = linear_tokens + self.calibration * extra
             if tokens / (seconds + overhead) > best_rate:
                 choice, best_rate = (budget, tokens, seconds), tokens / (seconds + overhead)
         return choice
 
     def observe(self, budget: int, accepted: int, spine: int, belief: DraftBelief, seconds: float,
-                predicted: float) -> None:
-        """A tree cycle of `budget` had `accepted` nodes accepted, `spine` of them on the spine, in `seconds`."""
-        keep = 1.0 - 1.0 / self.MEMORY
-        self.added = keep * self.added + (accepted - spine)
-        self.hoped = keep * self.hoped + belief.expected(self.nodes[budget], self.depth) - belief.spine
-        self.belief, self.since_tree = belief, 0
+                predicted: float, depth: int | None = None) -> None:
+        """A tree cycle of `budget` (`depth` draft positions) had `accepted` nodes accepted, `spine` of them on
+        the spine, in `seconds`."""
+        if depth is None or depth == self.depth:  # (a full-depth tree's: what the next ones are judged by)
+            keep = 1.0 - 1.0 / self.MEMORY
+            self.added = keep * self.added + (accepted - spine)
+            self.hoped = keep * self.hoped + belief.expected(self.nodes[budget], self.depth) - belief.spine
+            self.belief = belief
+        self.since_tree, self.untried = 0, 0.0
         if predicted > 0:
             ratio = self._ratio_for(budget) * seconds / predicted
             old = self.ratio.get(budget)

@@ -23,8 +23,8 @@ class BlockSizePolicy(Protocol):
 
     prediction: tuple[float, float] | None  # the last choice's expected (tokens, seconds)
 
-    def begin(self) -> None:
-        """A generation starts (after its prefill)."""
+    def begin(self, prefill: tuple[int, float] | None = None) -> None:
+        """A generation starts, after its prefill: (positions fed, seconds), where measured."""
         ...
 
     source: str  # the last choice's proposal source
@@ -67,7 +67,7 @@ class FixedBlockSize:
     tree_shape: str = SPINE
     tree: int = 0
 
-    def begin(self) -> None:
+    def begin(self, prefill: tuple[int, float] | None = None) -> None:
         pass
 
     def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:

@@ -74,7 +74,7 @@ def stream_session(
             produced, accepted, source = [session.extend(list(new_tokens), sampler)], 0, None  # the prefill commits one
         rows = session.prefill_logprobs
         stats.prefill_time = clock.lap()
-        policy.begin()
+        policy.begin((len(new_tokens), stats.prefill_time))
         while True:
             finish = None
             if produced[-1] in stop:

@@ -17,6 +17,7 @@ from mlx_dflash.auto.policy import (
     AutoBlockSize,
     CostModel,
     candidate_sizes,
+    generic_cost,
     make_policy,
     parse_block_size,
 )
@@ -392,7 +393,7 @@ def test_a_promise_binds_only_a_plain_step_the_policy_would_choose(p):
                 # A probe the twin would take now may come a cycle later (this plain step's measured cost can
                 # make it look cheaper than the promise foresaw); any other choice must be the plain step.
                 choice = twin.choose(10**9, position)
-                assert choice == 1 or twin.probing, "a promise bound a choice the policy would not make"
+                assert choice == 1 or twin.probing or twin.asking, "a promise bound a choice the policy would not make"
             sizes.append(size)
             promises.append(promise)
             promised = promise
@@ -581,3 +582,34 @@ def test_a_bad_patch_does_not_leave_auto_on_plain_steps(start, length):
               for seed in range(20)]
     assert np.median(ratios) >= 0.9, np.median(ratios)
     assert np.mean(ratios) >= 0.85, np.mean(ratios)
+
+
+
+def test_the_drafter_is_asked_again_after_plain_steps_and_ever_more_rarely_within_a_long_bad_patch():
+    # A plain step says nothing of the drafter: asking it again is worth what finding it good again brings.
+    # Over bad patches anywhere in a reply (at its start too), that beats waiting for the text to age its
+    # evidence (0.945 of block 8 without asking)...
+    patches = [range(s, s + n) for s in (10, 20, 30) for n in (4, 8, 12)] + [range(0, 2), range(0, 4)]
+    ratios = [patched_reply(AutoBlockSize(8), bad, 64, np.random.default_rng(seed))
+              / patched_reply(FixedBlockSize(8), bad, 64, np.random.default_rng(seed))
+              for bad in patches for seed in range(20)]
+    assert np.mean(ratios) >= 0.955, np.mean(ratios)
+    # ...while within a long one each refused ask doubles the wait for the next.
+    policy, rng = AutoBlockSize(8), np.random.default_rng(0)
+    patched_reply(policy, range(10, 10**6), 400, rng)
+    assert policy._refused >= 4
+
+
+def test_a_long_prefill_prices_wide_verifies_before_the_first_draft():
+    # On a machine short of compute each verified input costs what a prefill position did: after a
+    # 4k prefill at 0.2 plain steps per position, a block of 16 costs ~4x a step, not the generic 1.6x.
+    policy = AutoBlockSize(16)
+    policy.begin((4096, 0.2 * 4096))
+    assert policy.choose(10**9, 4096) == 1  # a plain step's price first
+    policy.record(1, 0, 1.0)
+    first = policy.choose(10**9, 4097)
+    assert 1 < first <= 4  # the widest block within 1.5x the narrowest's price
+    assert policy.costs.predict(16, 4097) == pytest.approx(generic_cost(16) + 0.2 * 15)
+    short = AutoBlockSize(16)
+    short.begin((200, 0.2 * 200))  # a short prefill says little: the widest block measures every position
+    assert short.choose(10**9, 200) == 16
