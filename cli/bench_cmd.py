@@ -187,7 +187,7 @@ def bench(
         if refused and AUTO in budgets:
             err_console.print(escape(f"note: --tree-budget auto runs linear blocks here: {refused}"), highlight=False)
     # No acceptance remembered from earlier runs: every run of the benchmark starts alike.
-    calibration = calibration_for(target, drafter, AUTO, recall=False) if AUTO in sizes else None
+    calibration = calibration_for(target, drafter, AUTO, recall=False, trees=AUTO in budgets) if AUTO in sizes else None
     engines = [MlxLmEngine(target, tokenizer), DFlashEngine(target, tokenizer, None)]
     if lookup:
         engines.append(DFlashEngine(target, tokenizer, None, AUTO, lookup=True))

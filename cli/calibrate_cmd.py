@@ -43,19 +43,21 @@ def block_size_option(value: str) -> str:
 
 
 def calibration_for(target: Any, drafter: Any, block_size: Any, *, refresh: bool = False,
-                    recall: bool = True) -> Any:
+                    recall: bool = True, trees: bool = False) -> Any:
     """The calibration seeding `--block-size auto` (cached; measured with a progress line when
     missing); None for a fixed block size or without a drafter. Warnings are printed here.
     With `recall`, it carries what earlier runs learnt of the drafter's acceptance (a
-    benchmark starts from nothing instead, to be repeatable); `remember_acceptance` saves it."""
+    benchmark starts from nothing instead, to be repeatable); `remember_acceptance` saves it.
+    `trees` (`--tree-budget auto`): it holds the draft trees' costs too (measured when missing)."""
     from mlx_dflash.auto.acceptance_memory import seed
     from mlx_dflash.auto.calibration import calibrate
     from mlx_dflash.auto.policy import AUTO
 
     if drafter is None or (block_size != AUTO and not refresh):
         return None
-    with progress_line("calibrating block sizes on this machine (once per model)") as progress:
-        calibration, warning = calibrate(target, drafter, refresh=refresh, progress=progress)
+    what = "block sizes and draft trees" if trees else "block sizes"
+    with progress_line(f"calibrating {what} on this machine (once per model)") as progress:
+        calibration, warning = calibrate(target, drafter, refresh=refresh, progress=progress, trees=trees)
     if warning:
         err_console.print(f"[yellow]{escape(warning)}[/]", highlight=False)
     if calibration is not None and recall:
@@ -80,6 +82,7 @@ def calibrate(
     model: Annotated[str | None, typer.Argument(help="Target: short name, Hugging Face repo id, mlx-lm directory or .gguf file (default: the embedded SmolLM2-135M-Instruct and its drafter).")] = None,
     draft: Annotated[str | None, typer.Option("--draft", "-d", help="DFlash drafter (default: the short name's or the embedded default's).")] = None,
     dtype: Annotated[str | None, typer.Option("--dtype", help="float32 | float16 | bfloat16 (default: float32 on the CPU).")] = None,
+    trees: Annotated[bool, typer.Option("--trees/--no-trees", help="Also measure a draft tree of each budget `--tree-budget auto` weighs (16, 32, 64 nodes, spine), where the pair verifies trees.")] = True,
 ) -> None:
     """Measure (again) what a decoding cycle of each block size costs for this model on this machine.
 
@@ -95,14 +98,18 @@ def calibrate(
     if choice.draft is None:
         raise DFlashError("calibration measures drafting cycles: give a --draft")
     target, _, drafter = mlx_dflash.load(choice.target, choice.draft, dtype=dtype)
-    calibration = calibration_for(target, drafter, None, refresh=True)
+    calibration = calibration_for(target, drafter, None, refresh=True, trees=trees)
     table = Table("block size", "ms per cycle at 64 tokens", "+ ms per 1k context", "vs a plain step",
                   title="cost of one decoding cycle", header_style="bold")
     plain = calibration.costs[1][0] + 64 * calibration.costs[1][1]
-    for size, (a, b) in sorted(calibration.costs.items()):
+    rows = [(str(size), ab) for size, ab in sorted(calibration.costs.items())]
+    rows += [(f"{drafter.block_size}, tree of {budget}", ab) for budget, ab in sorted((calibration.tree_costs or {}).items())]
+    for name, (a, b) in rows:
         at64 = a + 64 * b
-        table.add_row(str(size), f"{1e3 * at64:.1f}", f"{1e6 * b:.1f}", f"{at64 / plain:.2f}x")
+        table.add_row(name, f"{1e3 * at64:.1f}", f"{1e6 * b:.1f}", f"{at64 / plain:.2f}x")
     Console().print(table)
+    if trees and calibration.tree_costs == {}:
+        Console().print("draft trees: not measured (this pair cannot verify them; `--tree-budget` says why)")
     Console().print(escape(f"measured in {calibration.seconds:.1f} s, saved to {cache_file(calibration.key)}"),
                     highlight=False)
 

@@ -451,7 +451,7 @@ def chat(
     size = parse_block_size(block_size)
     settings = ChatSettings(temp=temp, top_p=top_p, top_k=top_k, min_p=min_p, max_tokens=max_tokens,
                             block_size=size, tree_budget=tree_budget, tree_shape=tree_shape, system=system)
-    calibration = calibration_for(target, drafter, size)
+    calibration = calibration_for(target, drafter, size, trees=str(tree_budget).strip().lower() == AUTO)
     engine = ChatEngine(target, tokenizer, drafter, settings, calibration=calibration, prompt_lookup=prompt_lookup)
     for line in lines:
         console.print(line, highlight=False)

@@ -9,6 +9,7 @@ import typer
 from rich.markup import escape
 
 from mlx_dflash.auto.policy import (
+    AUTO,
     DEFAULT_BLOCK_SIZE,
     DEFAULT_TREE_BUDGET,
     DEFAULT_TREE_SHAPE,
@@ -104,7 +105,7 @@ def generate(
     ids = prompt_ids(tokenizer, prompt, prompt_ids_, chat, system)
     size = parse_block_size(block_size)
     budget = parse_tree_budget(tree_budget)
-    calibration = calibration_for(target, drafter, size)
+    calibration = calibration_for(target, drafter, size, trees=budget == AUTO)
     tokens: list[int] = []
     event = None
     for event in mlx_dflash.stream_generate(

@@ -76,7 +76,7 @@ def serve(
         from mlx_dflash.server.worker.prompt_disk import resolve_dir
     except ImportError as e:
         raise DFlashError(f"serve needs the server libraries ({e.name}): pip install 'mlx-dflash[serve]'") from None
-    from mlx_dflash.auto.policy import parse_block_size, parse_tree_budget
+    from mlx_dflash.auto.policy import AUTO, parse_block_size, parse_tree_budget
 
     from .calibrate_cmd import calibration_for, remember_acceptance
     from .chat_cmd import _load
@@ -92,7 +92,7 @@ def serve(
                           "or use generate, chat or bench across ranks")
     target, tokenizer, drafter, lines, prompt_lookup = _load(console, model, draft, no_draft, dtype,
                                                              quantize or q_bits is not None, q_bits or 4, lookup)
-    calibration = calibration_for(target, drafter, size)
+    calibration = calibration_for(target, drafter, size, trees=parse_tree_budget(tree_budget) == AUTO)
     engine = Engine(target, tokenizer, drafter, EngineConfig(block_size=size, tree_budget=parse_tree_budget(tree_budget),
                                                              tree_shape=tree_shape, prompt_cache_bytes=prompt_cache_bytes,
                                                              calibration=calibration, prompt_lookup=prompt_lookup,

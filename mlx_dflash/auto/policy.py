@@ -144,7 +144,8 @@ def make_policy(block_size: int | str, max_block: int, calibration: Any = None, 
         learnt = None
     budgets = () if not drafter or not tree_budget else TREE_BUDGETS if tree_budget == AUTO else (int(tree_budget),)
     return AutoBlockSize(max_block, base_costs=getattr(calibration, "costs", None), acceptance=learnt,
-                         drafter=drafter, lookup=lookup, tree_budgets=budgets, tree_shape=tree_shape)
+                         drafter=drafter, lookup=lookup, tree_budgets=budgets, tree_shape=tree_shape,
+                         tree_costs=getattr(calibration, "tree_costs", None))
 
 
 def reproducible(policy: BlockSizePolicy, max_block: int, seed: int | None, temp: float) -> BlockSizePolicy:
@@ -187,6 +188,7 @@ class AutoBlockSize:
     source: str = DFLASH  # the source of the last choice
     tree_budgets: tuple[int, ...] = ()  # the draft-tree budgets it may verify (none: linear blocks only)
     tree_shape: str = SPINE
+    tree_costs: dict[int, tuple[float, float]] | None = None  # from a calibration that measured trees
     tree: int = 0  # the last choice's draft-tree budget (0: a linear block)
     trees: TreeArms | None = None  # what is known of each tree budget (set up from `tree_budgets`)
     _tree_expected: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a tree choice's (linear tokens, tokens, s)
@@ -220,7 +222,8 @@ class AutoBlockSize:
         self.acceptance = self.sources[DFLASH].acceptance if DFLASH in self.sources else None
         depth = self.max_block - 1
         # `auto` weighs spine trees only: their belief and their spine's acceptance are what it learns from.
-        self.trees = TreeArms(self.tree_budgets, {b: tree_nodes(b, depth, SPINE) for b in self.tree_budgets}, depth) \
+        self.trees = TreeArms(self.tree_budgets, {b: tree_nodes(b, depth, SPINE) for b in self.tree_budgets}, depth,
+                              base=dict(self.tree_costs or {})) \
             if self.tree_budgets and self.tree_shape == SPINE and DFLASH in self.sources and depth > 1 else None
 
     @property

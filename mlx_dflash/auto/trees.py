@@ -9,9 +9,10 @@ drafter's probabilities are not calibrated, so that sum is scaled by `calibratio
 other branches actually added (tokens accepted beyond the spine) over what the drafter expected
 of them, summed over recent tree cycles.
 
-A budget's price: the verify of its N + 1 inputs, extrapolated along the linear blocks' own
-costs (the last two candidate sizes' slope), times a measured correction per budget (a tree
-cycle also builds the tree and its mask). Before the drafter has said anything, and again after
+A budget's price: its calibrated cost (`dflash-mlx calibrate`, where it measured trees), else
+the verify of its N + 1 inputs extrapolated along the linear blocks' own costs (the last two
+candidate sizes' slope); times a measured correction per budget (a tree cycle also builds the
+tree and its mask). Before the drafter has said anything, and again after
 `STALE` drafting cycles without a tree, the largest budget priced within `TRIAL` of the linear
 block is tried once, as soon as what it may lose (its time less the linear choice's for the linear
 block's tokens: it holds the linear draft) is within `TRIAL_SHARE` of the drafting time gone by:
@@ -41,6 +42,7 @@ class TreeArms:
     hoped: float = 0.0  # what the drafter expected them to add, decayed sum
     ratio: dict[int, float] = field(default_factory=dict)  # budget -> measured seconds over extrapolated
     since_tree: int = 0  # drafting cycles since the last tree cycle
+    base: dict[int, tuple[float, float]] = field(default_factory=dict)  # calibrated: budget -> (s, s per position)
     untried: float = 0.0  # seconds of drafting cycles since the last tree cycle
 
     TRIAL = 1.5  # a trial's price, at most, over the linear block's
@@ -57,6 +59,9 @@ class TreeArms:
 
     def seconds(self, budget: int, costs: CostModel, sizes: list[int], position: int) -> float:
         """Expected seconds of a tree cycle of `budget` (0.0: the linear costs are not known yet)."""
+        if budget in self.base:
+            a, b = self.base[budget]
+            return max(a + b * position, 1e-6) * self._ratio_for(budget)
         top, below = sizes[-1], sizes[-2] if len(sizes) > 1 else sizes[-1]
         t_top, t_below = costs.predict(top, position), costs.predict(below, position)
         if not t_top:

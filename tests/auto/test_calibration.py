@@ -68,3 +68,36 @@ def test_unusable_files_are_ignored_with_a_warning(pair, damage):
     calibration, again = cal.calibrate(target, drafter)  # measured afresh, the warning passed on
     assert calibration is not None and again == warning
     assert cal.load_calibration(key)[0].costs == calibration.costs
+
+
+def test_draft_trees_are_measured_when_asked_and_price_auto_trees(pair, targets, drafters, monkeypatch):
+    target, drafter = pair
+    plain, _ = cal.calibrate(target, drafter)
+    assert plain.tree_costs is None  # not asked: not measured
+    calls = []
+    calibration, warning = cal.calibrate(target, drafter, trees=True,  # asked: measured again, with trees
+                                         progress=lambda done, total: calls.append((done, total)))
+    assert warning is None and sorted(calibration.tree_costs) == [16, 32, 64]
+    assert all(a > 0 and b >= 0 for a, b in calibration.tree_costs.values())
+    assert calls[-1][0] == calls[-1][1] == len(cal.CONTEXTS) * (len(calibration.costs) + 3) * (cal.REPEATS + 1)
+    saved = json.loads(cal.cache_file(calibration.key).read_text())
+    assert {int(b) for b in saved["tree_costs"]} == {16, 32, 64}
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("measured again although trees were cached")
+
+    monkeypatch.setattr(cal, "measure", no_measuring)
+    again, _ = cal.calibrate(target, drafter, trees=True)
+    assert again.tree_costs == calibration.tree_costs
+    policy = make_policy("auto", drafter.block_size, again, tree_budget="auto")
+    a, b = again.tree_costs[32]
+    assert policy.trees.seconds(32, policy.costs, policy.sizes, 100) == pytest.approx(a + 100 * b)
+
+
+def test_a_pair_without_trees_is_calibrated_once_with_none(pair, monkeypatch):
+    target, drafter = pair
+    monkeypatch.setattr(cal.DecodingSession, "tree_refusal", lambda self: "a recurrent cache")
+    calibration, _ = cal.calibrate(target, drafter, trees=True)
+    assert calibration.tree_costs == {}  # measured: none (not None: asking again measures nothing new)
+    monkeypatch.setattr(cal, "measure", lambda *a, **k: pytest.fail("measured again"))
+    assert cal.calibrate(target, drafter, trees=True)[0].tree_costs == {}
