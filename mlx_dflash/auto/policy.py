@@ -254,7 +254,7 @@ class AutoBlockSize:
         """A new generation: its text may suit the drafter better or worse than the last one's. A long
         `prefill` (positions, seconds) tells what each verified input costs beyond the first, for the
         sizes not calibrated or measured yet (on a machine short of compute a wide verify costs many steps)."""
-        self._last_end, self._promised = None, False
+        self._last_end, self._promised, self._refused, self._unasked = None, False, 0, 0
         for source in self.sources.values():
             source.acceptance.forget(self.carry_over)
             if prefill is not None and prefill[0] >= self.LONG_PREFILL and prefill[1] > 0:
