@@ -2,14 +2,17 @@
 
     python benchmarks/bench_auto_fresh.py --data-dir ../shared/data [--q 0.0 --block 8 --prompts 10]
     python benchmarks/bench_auto_fresh.py --data-dir ../shared/data --drafter --context 4096 --prompts 3
+    python benchmarks/bench_auto_fresh.py --model T --draft D --dataset counting/heldout.jsonl --prompts 6
 
 The case of a one-shot `generate()` through the Python API: nothing measured or remembered
 beforehand. The proposer is the benchmark's oracle (the target's own greedy continuation,
 each position wrong at rate `--q`), so that its strength is known; `--q 0` is a pair whose
-blocks are accepted whole. `--drafter` takes the default pair's shipped drafter instead, and
-`--context N` pads each prompt with the other prompts' text to about N tokens (a long one-shot
-request). Modes run interleaved on every prompt; each greedy output is checked against the
-target alone's. Printed: pooled decode tok/s per mode and the ratios.
+blocks are accepted whole. `--drafter` takes the default pair's shipped drafter instead (`--draft D`
+another drafter, `--model T` another target), and `--context N` pads each prompt with the other
+prompts' text to about N tokens (a long one-shot request). Modes: the target alone, `auto`,
+`auto-whole` (`auto` verifying every linear draft whole: no confident-prefix cut) and the fixed
+block. They run interleaved on every prompt; each greedy output is checked against the target
+alone's. Printed: pooled decode tok/s per mode and the ratios.
 """
 
 # ruff: noqa: I001  (mlx_dflash first: on Linux it loads OpenBLAS before mlx.core)
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import mlx_dflash
 
+from mlx_dflash.auto.policy import make_policy
 from mlx_dflash.bench.datasets import load_prompts
 from mlx_dflash.bench.proposers import CorruptedGreedyFactory
 from mlx_dflash.bench.runner import chat_ids, filler_text
@@ -41,21 +45,25 @@ def main() -> None:
     parser.add_argument("--block", type=int, default=8, help="the proposer's widest block")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--drafter", action="store_true", help="the shipped drafter instead of the oracle")
+    parser.add_argument("--draft", default=None, help="this drafter instead of the oracle")
+    parser.add_argument("--model", default=None, help="this target instead of the default pair's")
+    parser.add_argument("--no-lookup", action="store_true", help="the drafter alone (prompt lookup off)")
     parser.add_argument("--context", type=int, default=0, help="pad each prompt to about this many tokens")
     parser.add_argument("--no-fixed", action="store_true", help="leave out the fixed block (slow at long contexts)")
     args = parser.parse_args()
 
     pair = choose_pair(None, None)
-    model, tokenizer, _ = mlx_dflash.load(pair.target)
-    if args.drafter:
-        drafter = mlx_dflash.load_drafter(pair.draft)
+    model, tokenizer, _ = mlx_dflash.load(args.model or pair.target)
+    if args.drafter or args.draft:
+        drafter = mlx_dflash.load_drafter(args.draft or pair.draft)
         args.block = drafter.block_size
 
         def oracle(ids, max_tokens):
             return drafter
     else:
         oracle = CorruptedGreedyFactory(model, tokenizer, args.q, block_size=args.block)
-    modes = {"target": None, "auto": "auto", **({} if args.no_fixed else {f"b{args.block}": args.block})}
+    modes = {"target": None, "auto": "auto", "auto-whole": "auto",
+             **({} if args.no_fixed else {f"b{args.block}": args.block})}
     totals = {m: [0, 0.0] for m in modes}
     texts = [p.turns[0] for p in load_prompts(args.dataset, args.data_dir, limit=args.prompts)]
     if args.context:
@@ -68,8 +76,13 @@ def main() -> None:
             for mode in list(modes)[(i + r) % len(modes):] + list(modes)[: (i + r) % len(modes)]:
                 proposer = oracle(ids, args.max_tokens) if modes[mode] is not None else None
                 tokens, first = [], None
-                for event in mlx_dflash.stream_generate(model, tokenizer, ids, draft_model=proposer,
-                                                        max_tokens=args.max_tokens, block_size=modes[mode]):
+                policy = None
+                if mode.startswith("auto"):  # as `stream_generate` makes it, uncalibrated
+                    policy = make_policy("auto", args.block, None, drafter=True, lookup=not args.no_lookup)
+                    policy.cut_drafts = mode == "auto"
+                for event in mlx_dflash.stream_generate(model, tokenizer, ids, draft_model=proposer, policy=policy,
+                                                        max_tokens=args.max_tokens, block_size=modes[mode],
+                                                        prompt_lookup=not args.no_lookup):
                     first = first or time.perf_counter()
                     tokens += event.tokens
                 totals[mode][0] += len(tokens) - 1
@@ -78,7 +91,7 @@ def main() -> None:
                 if tokens != reference[1]:
                     sys.exit(f"prompt {i}: {mode} differs from {reference[0]}")
     rates = {m: n / s for m, (n, s) in totals.items()}
-    proposer = "the shipped drafter" if args.drafter else f"oracle q={args.q}"
+    proposer = args.draft or ("the shipped drafter" if args.drafter else f"oracle q={args.q}")
     print(f"{machine()}; {proposer}, block {args.block}, {len(prompts)} prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens x {args.rounds} rounds, {args.max_tokens} tokens; every output identical")
     for m, tps in rates.items():

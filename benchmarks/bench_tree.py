@@ -12,6 +12,7 @@ drafter alone (prompt lookup off), this runs:
     b8-spineN        fixed block 8 verified as a draft tree of N nodes, "spine" shape (N = 16, 32, 64)
     b8-paperN        the same, "paper" shape
     auto             `--block-size auto`, no calibration, trees off (a fresh policy per run)
+    auto-nocut       `auto` verifying every linear draft whole (no confident-prefix cut)
     auto-trees       `--block-size auto --tree-budget auto`, no calibration
 
 Modes run in a rotated order on every prompt, `--rounds` times; every output is checked
@@ -58,8 +59,15 @@ def policies() -> dict:
             modes[f"b8-{shape}{budget}"] = (lambda b=budget, s=shape: make_policy(
                 BLOCK, BLOCK, None, drafter=True, lookup=False, tree_budget=b, tree_shape=s))
     modes["auto"] = lambda: make_policy(AUTO, BLOCK, None, drafter=True, lookup=False, tree_budget=0)
+    modes["auto-nocut"] = lambda: uncut(make_policy(AUTO, BLOCK, None, drafter=True, lookup=False, tree_budget=0))
     modes["auto-trees"] = lambda: make_policy(AUTO, BLOCK, None, drafter=True, lookup=False, tree_budget=AUTO)
     return modes
+
+
+def uncut(policy):
+    """`policy` verifying every linear draft whole (no confident prefix)."""
+    policy.cut_drafts = False
+    return policy
 
 
 def run(model, tokenizer, drafter, ids: list[int], policy, max_tokens: int) -> dict:

@@ -34,6 +34,11 @@ changes the speed, never the output.
   chance its first position is accepted now) outweighs what the draft is expected to lose; each
   refusal in a row doubles the wait, so a long patch costs few asks.
 
+- Where a wide verify costs much more than a narrow one (a block costs `CUT_STEEP` x a block of 2 or
+  more: a CPU, a quantized target, a long context), a linear draft that is neither a probe nor an ask
+  is `confident`: after drafting, the session tells `cut` the drafter's confidence in each position,
+  and only the prefix worth its price is verified (`confident_prefix.py`).
+
 Each proposal source (the DFlash drafter, prompt lookup: `mlx_dflash.proposers.lookup`) keeps its own
 acceptance and costs; plain steps are priced for all alike. Each cycle takes the source and
 size with the best E[L] / t(L) among the sources that can propose now. Prompt lookup is
@@ -66,6 +71,7 @@ from ..decoding.tree import SHAPES, SPINE, DraftBelief, tree_nodes
 from ..errors import DFlashError
 from ..proposers.base import DFLASH, LOOKUP
 from ..proposers.lookup import LOOKUP_BLOCK
+from .confident_prefix import ConfidenceMap, best_prefix
 from .estimators import AcceptanceModel, CostModel, Source, generic_cost, verify_cost
 from .trees import TreeArms
 
@@ -191,6 +197,10 @@ class AutoBlockSize:
     tree_costs: dict[int, tuple[float, float]] | None = None  # from a calibration that measured trees
     tree: int = 0  # the last choice's draft-tree budget (0: a linear block)
     trees: TreeArms | None = None  # what is known of each tree budget (set up from `tree_budgets`)
+    cut_drafts: bool = True  # a linear draft may be cut to its confident prefix where verifying costs grow
+    confidence: ConfidenceMap = field(default_factory=ConfidenceMap)  # the drafter's confidence, calibrated
+    confident: bool = False  # the last choice may be cut (`cut`)
+    _cut_seen: tuple[list[float], list[float]] | None = None  # the last cut's kept positions: confidence, history
     _tree_expected: tuple[float, float, float] = (0.0, 0.0, 0.0)  # a tree choice's (linear tokens, tokens, s)
     overhead: float = 0.0  # seconds between cycles (streaming), smoothed
     probing: bool = False  # the last choice was a probe
@@ -200,12 +210,14 @@ class AutoBlockSize:
     _since_probe: int = 0
     _credit: float = 0.0  # seconds probes may still lose
     _best_rate: float = 0.0  # during a probe: the best size's expected tokens per second
+    _cut_rate: float = 0.0  # the last choice's expected tokens per second, which a cut must beat
     _whole: bool = False  # the drafter's best size's last block was accepted whole
     _plain: bool = False  # the last cycle was a plain step
     _promised: bool = False
     HYSTERESIS = 0.1  # after a plain step, drafting must be expected this much faster to be taken
     LONG_PREFILL = 1024  # positions of a prefill long enough to price a verified input by
     FIRST_WIDTH = 1.5  # the first block, nothing known of the drafter: the widest within this of the narrowest's price
+    CUT_STEEP = 1.25  # a block is cut where it costs this much more than a block of 2, at least
     _position: int = 0
     _last_end: float | None = None
 
@@ -238,7 +250,7 @@ class AutoBlockSize:
         forked = AutoBlockSize(self.max_block, drafter=self.drafter, lookup=self.lookup, probe_share=self.probe_share,
                                min_gap=self.min_gap, carry_over=self.carry_over, sources=sources,
                                tree_budgets=self.tree_budgets, tree_shape=self.tree_shape)
-        forked.trees = copy.deepcopy(self.trees)
+        forked.trees, forked.confidence = copy.deepcopy(self.trees), copy.deepcopy(self.confidence)
         return forked
 
     def absorb(self, forked: AutoBlockSize) -> None:
@@ -249,6 +261,7 @@ class AutoBlockSize:
                 vars(source.acceptance).update(copy.deepcopy(vars(forked.sources[name].acceptance)))
         if self.trees is not None and forked.trees is not None:  # and what its trees cost and added
             self.trees = copy.deepcopy(forked.trees)
+        self.confidence = copy.deepcopy(forked.confidence)
 
     def begin(self, prefill: tuple[int, float] | None = None) -> None:
         """A new generation: its text may suit the drafter better or worse than the last one's. A long
@@ -275,7 +288,7 @@ class AutoBlockSize:
         offers = {DFLASH: self.max_block - 1} if offers is None else offers
         trees = self.trees if TREE in offers else None
         offers = {name: n for name, n in offers.items() if name in self.sources and n > 0}
-        self.probing, self.asking = False, False
+        self.probing, self.asking, self.confident, self._cut_seen = False, False, False, None
         self.source, self.tree = DFLASH if DFLASH in offers else next(iter(self.sources)), 0
         size, rate = 1, None  # the choice and its expected tokens per second
         if limit > 1 and not self._promised and DFLASH in offers:
@@ -295,6 +308,11 @@ class AutoBlockSize:
                 self.source, size, self.probing, rate, self.tree = name, best, False, scores[best], 0
         self._promised = False
         size = min(size, limit)
+        # (not the first draft: a wide block then measures the drafter's positions)
+        if self.cut_drafts and self.source == DFLASH and not (self.tree or self.probing or self.asking) and size > 2 \
+                and self.acceptance.evidence > 0:
+            steep = self.costs.predict(size, position) >= self.CUT_STEEP * self.costs.predict(2, position) > 0
+            self.confident, self._cut_rate = steep, rate
         self._since_probe = 0 if self.probing else self._since_probe + 1
         seconds = self.costs.predict(size, position)
         expected = self.sources[self.source].acceptance.expected_tokens()[size]
@@ -302,6 +320,15 @@ class AutoBlockSize:
             _, expected, seconds = self._tree_expected
         self.prediction = (expected, seconds + self.overhead) if seconds else None
         return size
+
+    def cut(self, confidences: list[float]) -> int:
+        """The prefix of the chosen draft worth verifying, by the drafter's confidence in each position
+        (`confident_prefix`): what it expects less what its time is worth at the linear choice's rate."""
+        costs, history = self.sources[DFLASH].costs, self.acceptance.rates()
+        keep = best_prefix(confidences, history, self.confidence, self.sizes,
+                           lambda L: costs.predict(L, self._position) + self.overhead, self._cut_rate)
+        self._cut_seen = (confidences[: keep - 1], history[: keep - 1])
+        return keep
 
     def _choose_drafted(self, position: int) -> tuple[int, float]:
         """The drafter's best size (or a probe of a neighbour, or 1) and the best size's expected rate."""
@@ -408,6 +435,9 @@ class AutoBlockSize:
             return
         if size > 1:
             self.sources[self.source].acceptance.observe(size - 1, accepted)
+        if self._cut_seen is not None:
+            self.confidence.observe(*self._cut_seen, accepted)
+            self._cut_seen = None
         gone_by = size == 1 or self.source != DFLASH  # text went by without the drafter's word
         if DFLASH in self.sources and gone_by and self._long_run_gain() >= 1.0 + self.HYSTERESIS:
             self.sources[DFLASH].acceptance.age((accepted + 1) / (1 + self._refused))  # slower as refusals mount

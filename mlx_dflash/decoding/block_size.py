@@ -28,14 +28,21 @@ class BlockSizePolicy(Protocol):
         ...
 
     source: str  # the last choice's proposal source
+    tree_budgets: tuple[int, ...]  # the draft-tree budgets it may choose (none: linear blocks only)
     tree: int  # the last choice's draft-tree budget (0: a linear block); only when `TREE` was offered
     tree_shape: str  # "spine" or "paper" (`tree.SHAPES`)
+    confident: bool  # the last choice's linear draft may be cut to the prefix `cut` keeps
 
     def choose(self, limit: int, position: int, offers: dict[str, int] | None = None) -> int:
         """Block size of the next cycle (at most `limit`), the pending token at `position`;
         `offers`: the sources that can propose now, and how many tokens each can (default:
         the drafter), and `TREE` when the drafter's block may be a tree. The chosen source is
         left in `source`, the tree budget in `tree`."""
+        ...
+
+    def cut(self, confidences: list[float]) -> int:
+        """Asked after drafting the block chosen `confident`: the drafter's confidence in each drafted
+        position (its argmax's probability); returns the block size to verify (2 ... the block)."""
         ...
 
     def promise_plain(self) -> bool:
@@ -66,6 +73,11 @@ class FixedBlockSize:
     tree_budget: int = 0  # verify the drafter's block as a tree of this many nodes where offered (0: never)
     tree_shape: str = SPINE
     tree: int = 0
+    confident: bool = False
+
+    @property
+    def tree_budgets(self) -> tuple[int, ...]:
+        return (self.tree_budget,) if self.tree_budget else ()
 
     def begin(self, prefill: tuple[int, float] | None = None) -> None:
         pass
@@ -76,6 +88,9 @@ class FixedBlockSize:
         self.source = DFLASH if DFLASH in offers else LOOKUP
         self.tree = self.tree_budget if TREE in offers else 0
         return max(min(self.size, limit, offers.get(self.source, 0) + 1), 1)
+
+    def cut(self, confidences: list[float]) -> int:
+        return len(confidences) + 1
 
     def promise_plain(self) -> bool:
         return self.size == 1

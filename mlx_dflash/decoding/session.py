@@ -42,7 +42,6 @@ from ..targets.model import Checkpoint, TargetModel
 from .block_size import TREE, BlockSizePolicy
 from .prefix_marks import PrefixMark, thin
 from .step import Launched, Verified, launch_step
-from .tree import SPINE
 from .tree_step import launch_tree, refusal
 
 PREFILL_CHUNK = 2048
@@ -205,13 +204,17 @@ class DecodingSession:
         self.tokens.extend(list(new_tokens) + [token])
         return token
 
+    def cuts_drafts(self) -> bool:
+        """This session's drafter scores its whole block, so a cycle may verify its confident prefix."""
+        return self.proposer is not None and getattr(self.proposer, "drafts_trees", False)
+
     def tree_refusal(self) -> str | None:
         """Why this session's cycles cannot verify draft trees now (None: they can; `tree_step`)."""
         return refusal(self.target, self.proposer, constraint=self.constraint)
 
     def step(self, sampler: Any, block_size: int, timings: dict[str, float] | None = None,
              *, ahead: bool = False, draft: list[int] | None = None,
-             tree: tuple[int, str, int] | None = None) -> Verified:
+             tree: tuple[int, str, int] | None = None, cut: Callable[[list[float]], int] | None = None) -> Verified:
         """One verify cycle from the pending token; follow it with `keep`.
 
         `ahead` (a plain step, when the next cycle is known to be one too): launch the next
@@ -219,6 +222,8 @@ class DecodingSession:
         `draft`: verify these block_size - 1 tokens (prompt lookup's) instead of drafting.
         `tree` (budget, shape, belief budget): draft a block of `block_size` and verify a tree of it
         (`tree_step`; only where `tree_refusal()` is None).
+        `cut`: verify only the prefix of the drafted block that `cut` keeps, told the drafter's confidence
+        in each position (`step.confident_draft`; only where `cuts_drafts()`).
         """
         self.target.heartbeat()
         if draft is not None:
@@ -242,7 +247,8 @@ class DecodingSession:
         if launched is None:
             last = mx.array(self.tokens[-1:], dtype=mx.uint32)
             launched = launch_step(self.target, self.cache, self.proposer, sampler, last, self.position,
-                                   block_size, timings=timings, draft=draft, constraint=self.constraint)
+                                   block_size, timings=timings, draft=draft, constraint=self.constraint,
+                                   cut=cut if draft is None else None)
         # Not ahead when profiling (in order), nor under a grammar: the next step's mask needs this one's token.
         if ahead and block_size == 1 and self.can_launch_ahead and timings is None and self.constraint is None:
             mx.async_eval(launched.target_tokens)
@@ -271,8 +277,7 @@ class DecodingSession:
         offers = {DFLASH: MAX_PROPOSAL} if self.proposer is not None else {}
         if looked_up:
             offers[LOOKUP] = len(looked_up)
-        wants_trees = getattr(policy, "tree_budgets", ()) or getattr(policy, "tree_budget", 0)
-        if wants_trees and self.proposer is not None and self.tree_refusal() is None:
+        if policy.tree_budgets and self.proposer is not None and self.tree_refusal() is None:
             offers[TREE] = MAX_PROPOSAL
         # Timing-based choices differ between ranks: every rank takes rank 0's.
         size = self.target.agree_int(policy.choose(budget, self.position, offers))
@@ -280,14 +285,18 @@ class DecodingSession:
         if self.target.world is not None and looked_up:
             source = LOOKUP if self.target.agree_int(source == LOOKUP) else DFLASH
         draft = looked_up[: size - 1] if source == LOOKUP else None
-        # (a caller's own policy may know nothing of trees)
-        tree = getattr(policy, "tree", 0) if source == DFLASH and size > 1 and TREE in offers else 0
+        tree = policy.tree if source == DFLASH and size > 1 and TREE in offers else 0
+        drafted = source == DFLASH and size > 2 and not tree and draft is None
+        # Timing-based: every rank keeps rank 0's cut.
+        cut = (lambda c: self.target.agree_int(policy.cut(c))) if drafted and policy.confident \
+            and self.cuts_drafts() else None
         ahead = size == 1 and budget > 1 and policy.promise_plain()
         started = time.perf_counter()  # a drafting cycle's cost includes injecting the plain steps' backlog
         self.prepare(size if draft is None else 1)
-        verified = self.step(sampler, size, timings, ahead=ahead, draft=draft,
-                             tree=(tree, getattr(policy, "tree_shape", SPINE), max(getattr(policy, "tree_budgets", ()),
-                                                                                     default=0)) if tree else None)
+        verified = self.step(sampler, size, timings, ahead=ahead, draft=draft, cut=cut,
+                             tree=(tree, policy.tree_shape, max(policy.tree_budgets)) if tree else None)
+        if cut is not None:
+            size = verified.inputs.shape[0]  # the prefix verified
         kept = next((i + 1 for i, t in enumerate(verified.tokens) if t in stop or i + 1 >= budget),
                     len(verified.tokens))
         self.keep(verified, kept)

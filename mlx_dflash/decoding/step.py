@@ -9,6 +9,7 @@ drafter is reached only through the `Proposer` interface (`mlx_dflash.proposers.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +61,19 @@ class Launched:
                         self.logprobs, draft_finite=finite)
 
 
+def confident_draft(proposer: Any, last_token: mx.array, position: int, block_size: int,
+                    cut: Callable[[list[float]], int]) -> mx.array:
+    """The drafter's argmax block, cut to the size `cut` chooses from each position's confidence (the
+    probability the drafter gives its argmax): one host read between draft and verify, a decision.
+    The tokens are the ones `propose` drafts, so the verify's acceptance rule is unchanged."""
+    logits = proposer.draft_logits(last_token, position, block_size).astype(mx.float32)
+    draft = mx.argmax(logits, axis=-1).astype(mx.uint32)
+    confidence = mx.exp(logits.max(axis=-1) - mx.logsumexp(logits, axis=-1))
+    mx.eval(draft, confidence)
+    keep = min(max(cut(confidence.tolist()), 2), block_size)
+    return draft[: keep - 1]
+
+
 def launch_step(
     target: TargetModel,
     cache: list[Any],
@@ -71,6 +85,7 @@ def launch_step(
     timings: dict[str, float] | None = None,
     draft: list[int] | None = None,
     constraint: Any = None,
+    cut: Callable[[list[float]], int] | None = None,
 ) -> Launched:
     """Draft, verify and accept one block, lazily: the graph of the cycle, read back by `finish`.
 
@@ -79,6 +94,8 @@ def launch_step(
     instead of drafting. `timings`, when given, accumulates draft/verify seconds (forcing a
     sync after drafting). `constraint` (a `constraint.TokenConstraint`) masks the target's
     distributions before anything is sampled or accepted; it reads the draft on the host first.
+    `cut` (a drafter that scores its block: `draft_logits`): told the drafter's confidence in each
+    position after one host read, it returns the block size to verify (`confident_draft`).
     """
     start = time.perf_counter()
     capture = proposer.target_layer_ids if proposer is not None else ()
@@ -87,7 +104,10 @@ def launch_step(
         draft = mx.array(draft, dtype=mx.uint32)
         inputs = mx.concatenate([inputs, draft])
     elif proposer is not None and block_size > 1:
-        draft, proposal = draft_block(proposer, sampler, last_token, position, block_size)
+        if cut is not None:
+            draft = confident_draft(proposer, last_token, position, block_size, cut)
+        else:
+            draft, proposal = draft_block(proposer, sampler, last_token, position, block_size)
         draft_finite = getattr(proposer, "last_draft_finite", None)
         inputs = mx.concatenate([inputs, draft])
         if timings is not None:
