@@ -9,7 +9,7 @@ import mlx.core as mx
 import pytest
 from helpers.distributions import P_BROKEN, pit_pvalue
 from helpers.tiny import VOCAB, greedy_reference, tiny_drafter, tiny_target
-from helpers.tree_oracles import LogitOracle, RankOracle
+from helpers.tree_oracles import LogitOracle, RankOracle, decode_cycles
 
 from mlx_dflash.decoding.block_size import FixedBlockSize
 from mlx_dflash.decoding.sampling import make_sampler
@@ -36,18 +36,9 @@ class ScriptedCut(FixedBlockSize):
 
 def run(target, proposer, max_tokens: int, policy, sampler=None):
     """Decode through `session.cycle`: (output tokens, the session, verified block sizes of drafting cycles)."""
-    session = DecodingSession(target, proposer)
-    if hasattr(proposer, "history"):
-        proposer.history = lambda: session.tokens
-    sampler = sampler or make_sampler(0.0)
-    session.extend(PROMPT, sampler)
-    sizes = []
-    while len(session.tokens) < len(PROMPT) + max_tokens:
-        size, verified, _ = session.cycle(sampler, policy, len(PROMPT) + max_tokens - len(session.tokens), set())
-        assert size == verified.inputs.shape[0]
-        if size > 1:
-            sizes.append(size)
-    return session.tokens[len(PROMPT):], session, sizes
+    session, cycles = decode_cycles(target, proposer, PROMPT, max_tokens, policy, sampler)
+    assert all(size == verified.inputs.shape[0] for size, verified in cycles)
+    return session.tokens[len(PROMPT):], session, [size for size, _ in cycles if size > 1]
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])

@@ -16,7 +16,7 @@ import pytest
 from helpers.distributions import P_BROKEN, pit_pvalue
 from helpers.families import build
 from helpers.tiny import VOCAB, _randomize, greedy_reference, target_config, tiny_drafter, tiny_target
-from helpers.tree_oracles import LogitOracle, RankOracle
+from helpers.tree_oracles import LogitOracle, RankOracle, decode_cycles
 from mlx_lm.models.cache import QuantizedKVCache
 from mlx_lm.utils import _get_classes
 
@@ -99,17 +99,8 @@ def test_walk_follows_the_targets_choices():
 
 def run(target, proposer, prompt, max_tokens, policy, sampler=None):
     """Decode through `session.cycle` with `policy`: (output tokens, per drafting cycle (tree size, accepted))."""
-    session = DecodingSession(target, proposer)
-    if hasattr(proposer, "history"):
-        proposer.history = lambda: session.tokens
-    sampler = sampler or make_sampler(0.0)
-    session.extend(prompt, sampler)
-    cycles = []
-    while len(session.tokens) < len(prompt) + max_tokens:
-        size, verified, _ = session.cycle(sampler, policy, len(prompt) + max_tokens - len(session.tokens), set())
-        if size > 1:
-            cycles.append((verified.tree_size, verified.num_accepted))
-    return session.tokens[len(prompt):], cycles
+    session, cycles = decode_cycles(target, proposer, prompt, max_tokens, policy, sampler)
+    return session.tokens[len(prompt):], [(v.tree_size, v.num_accepted) for size, v in cycles if size > 1]
 
 
 @pytest.mark.parametrize("family", TREE_FAMILIES)

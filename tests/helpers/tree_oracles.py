@@ -64,3 +64,21 @@ class LogitOracle(RankOracle):
         seq = self.history()[: position + 1]
         chain = greedy_chain(self.model, seq, block_size - 2)
         return self.model(mx.array([seq + chain], dtype=mx.uint32))[0, len(seq) - 1 :]
+
+
+def decode_cycles(target, proposer, prompt: list[int], max_tokens: int, policy, sampler=None):
+    """Decode `max_tokens` after `prompt` through `DecodingSession.cycle` with `policy`: the session, and
+    each cycle's (block size, what it verified). An oracle reads the session's committed tokens."""
+    from mlx_dflash.decoding.sampling import make_sampler
+    from mlx_dflash.decoding.session import DecodingSession
+
+    session = DecodingSession(target, proposer)
+    if hasattr(proposer, "history"):
+        proposer.history = lambda: session.tokens
+    sampler = sampler or make_sampler(0.0)
+    session.extend(prompt, sampler)
+    cycles = []
+    while len(session.tokens) < len(prompt) + max_tokens:
+        size, verified, _ = session.cycle(sampler, policy, len(prompt) + max_tokens - len(session.tokens), set())
+        cycles.append((size, verified))
+    return session, cycles
