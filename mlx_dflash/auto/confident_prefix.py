@@ -39,25 +39,25 @@ class ConfidenceMap:
     expected: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
     typical: float | None = None  # the drafter's mean confidence at the positions reached, decayed
+    seen: float = 0.0  # positions in that mean, up to `MEMORY`
 
     PRIOR = 2.0  # expected acceptances at a ratio of 1 that each bin starts with
     MEMORY = 64.0  # positions of a bin after which old ones weigh 1/e
     MOST = 0.995  # the highest chance of acceptance it states
-    TRUST = 0.5  # a bin's prior ratio: (confidence / typical confidence) ** TRUST
+    TRUST = 0.75  # a bin's prior ratio: (confidence / typical confidence) ** TRUST
 
     def __post_init__(self) -> None:
         self.expected = self.expected or [0.0] * self.bins
         self.accepted = self.accepted or [0.0] * self.bins
 
     def _bin(self, confidence: float) -> int:
-        if not confidence > 0.0:  # (a non-finite draft says nothing: the lowest bin)
-            return 0
         return min(int(confidence * self.bins), self.bins - 1)
 
     def rate(self, confidence: float, history: float) -> float:
         """The chance a reached position of this confidence is accepted (`history`: its history's estimate)."""
+        confidence = _finite(confidence)
         b = self._bin(confidence)
-        told = (max(confidence, 0.0) / self.typical) ** self.TRUST if self.typical else 1.0
+        told = (confidence / self.typical) ** self.TRUST if self.typical else 1.0
         return min(history * (self.accepted[b] + self.PRIOR * told) / (self.expected[b] + self.PRIOR), self.MOST)
 
     def observe(self, confidences: Sequence[float], history: Sequence[float], accepted: int) -> None:
@@ -65,11 +65,18 @@ class ConfidenceMap:
         accepted its first `accepted` positions."""
         keep = 1.0 - 1.0 / self.MEMORY
         for k, (confidence, p) in enumerate(zip(confidences[: accepted + 1], history, strict=False)):
+            confidence = _finite(confidence)
             b = self._bin(confidence)
             self.expected[b] = keep * self.expected[b] + p
-            c = max(confidence, 0.0) if confidence == confidence else 0.0
-            self.typical = c if self.typical is None else self.typical + (c - self.typical) / self.MEMORY
             self.accepted[b] = keep * self.accepted[b] + (k < accepted)
+            self.seen = min(self.seen + 1.0, self.MEMORY)
+            self.typical = confidence if self.typical is None else \
+                self.typical + (confidence - self.typical) / self.seen
+
+
+def _finite(confidence: float) -> float:
+    """A confidence in [0, 1]; a non-finite draft's (float16 overflow) says nothing: 0."""
+    return min(confidence, 1.0) if confidence > 0.0 else 0.0
 
 
 def best_prefix(confidences: Sequence[float], history: Sequence[float], confidence: ConfidenceMap,

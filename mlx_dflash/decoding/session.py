@@ -205,8 +205,9 @@ class DecodingSession:
         return token
 
     def cuts_drafts(self) -> bool:
-        """This session's drafter scores its whole block, so a cycle may verify its confident prefix."""
-        return self.proposer is not None and getattr(self.proposer, "drafts_trees", False)
+        """This session's drafter scores its whole block and drafts its argmax, so a cycle may verify the
+        confident prefix (a drafter that samples its draft from a stated q is verified whole, by rejection)."""
+        return getattr(self.proposer, "drafts_trees", False) and not hasattr(self.proposer, "propose_sampled")
 
     def tree_refusal(self) -> str | None:
         """Why this session's cycles cannot verify draft trees now (None: they can; `tree_step`)."""
