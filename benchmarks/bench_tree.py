@@ -94,12 +94,15 @@ def per_cycle(r: dict) -> float:
 def linear_costs(model, tokenizer, drafter, prompts: list[list[int]], max_tokens: int,
                  block_price: float) -> dict[int, float]:
     """Seconds per cycle of fixed linear blocks 1..BLOCK on this machine: the fastest of one run per prompt
-    of each measured size (`block_price`: BLOCK's, measured so already), the others interpolated."""
+    of each measured size, the sizes taking turns on each prompt so that a busy spell of the machine
+    does not price one size alone (`block_price`: BLOCK's, measured so already), the others interpolated."""
     measured = {BLOCK: block_price}
-    for size in (1, 2, 3, 4, 6):
-        policy = {"drafter": True, "lookup": False, "tree_budget": 0}
-        measured[size] = min(per_cycle(run(model, tokenizer, drafter, ids, make_policy(size, BLOCK, None, **policy),
-                                           max_tokens)) for ids in prompts)
+    policy = {"drafter": True, "lookup": False, "tree_budget": 0}
+    for ids in prompts:
+        for size in (1, 2, 3, 4, 6):
+            fixed = make_policy(size, BLOCK, None, **policy)
+            seconds = per_cycle(run(model, tokenizer, drafter, ids, fixed, max_tokens))
+            measured[size] = min(measured.get(size, seconds), seconds)
     costs, sizes = {}, sorted(measured)
     for size in range(1, BLOCK + 1):
         lo = max(s for s in sizes if s <= size)

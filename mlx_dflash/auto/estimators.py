@@ -16,6 +16,7 @@ class AcceptanceModel:
     memory: float = 12.0  # observations of a position after which old ones weigh 1/e
     reached: list[float] = field(default_factory=list)
     accepted: list[float] = field(default_factory=list)
+    tried: list[float] = field(default_factory=list)  # `reached` as drafts alone decay it (not `age`, `forget`)
     _odds: float = 1.0  # how likely, under the estimate, the current run of surprising first positions is
     # Positions checked and accepted, pooled over the positions, in the long run (the drafter's usual
     # quality): the first position's prior, which evidence aged by text without drafts gives way to.
@@ -29,10 +30,12 @@ class AcceptanceModel:
     LONG_MEMORY = 64.0  # positions checked or tokens gone by after which the long-run counts' old ones weigh 1/e
     UNSEEN = 0.25  # what a token gone by without a draft weighs in the long run, against a position checked
     TEXT_MEMORY = 4.0  # tokens committed without a draft after which the first position's evidence weighs 1/e
+    MOST = 0.995  # the highest hopeful rate
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0.0] * self.depth
         self.accepted = self.accepted or [0.0] * self.depth
+        self.tried = self.tried or list(self.reached)
         if self.long_reached is None or self.long_accepted is None:
             self.long_reached, self.long_accepted = sum(self.reached), sum(self.accepted)
 
@@ -54,6 +57,7 @@ class AcceptanceModel:
         keep = 1.0 - 1.0 / self.memory
         for k in range(min(accepted + 1, drafted, self.depth)):
             self.reached[k] = keep * self.reached[k] + 1.0
+            self.tried[k] = keep * self.tried[k] + 1.0
             self.accepted[k] = keep * self.accepted[k] + (k < accepted)
         # Long-run: every position checked counts alike (a token of text each), so that a stretch the drafter
         # gets wrong, checked one position per cycle, does not outweigh the stretches it drafts whole.
@@ -103,10 +107,24 @@ class AcceptanceModel:
             pooled_a, pooled_r = pooled_a + a, pooled_r + r
         return out
 
-    def expected_tokens(self) -> list[float]:
-        """E[committed tokens | block L] for L = 0..depth + 1 (index L; E[0] unused)."""
+    def hopeful(self, hope: float) -> list[float]:
+        """`rates` raised by `hope` x sqrt(p (1 - p)) / n each (n: the drafts that reached it, and its
+        prior's weight): a position tried rarely may be better than it looks, and only a draft can tell,
+        so choices made on these try it. The bonus fades as 1 / n, faster than a standard error, so that a
+        position well known is judged on its rate alone; text gone by without drafts (`age`) does not
+        renew it (asking again after plain steps is the policy's own decision)."""
+        out = []
+        for k, p in enumerate(self.rates()):
+            # A deeper position's prior is the shallower ones' pooled: what the first showed counts for it too.
+            seen = self.tried[k] + (self.CHAIN + self.tried[0] if k else 1.0) + 1.0
+            out.append(min(p + hope * math.sqrt(p * (1.0 - p)) / seen, self.MOST))
+        return out
+
+    def expected_tokens(self, hope: float = 0.0) -> list[float]:
+        """E[committed tokens | block L] for L = 0..depth + 1 (index L; E[0] unused); with `hope`, of the
+        rates hoped for (`hopeful`)."""
         out, total, reach = [0.0, 1.0], 1.0, 1.0
-        for p in self.rates():
+        for p in self.hopeful(hope) if hope else self.rates():
             reach *= p
             total += reach
             out.append(total)
@@ -119,6 +137,19 @@ def generic_cost(size: int) -> float:
     return 1.0 if size == 1 else 1.3 + 0.02 * (size - 1)
 
 
+def cpu_generic_cost(size: int) -> float:
+    """The same for a CPU (or MLX's CPU backend), where the draft pass and every verified input cost much of
+    a step: a block of 16 about 2.25 plain steps (SmolLM2-135M on a 2-core x86 CPU: 2.35)."""
+    return 1.0 if size == 1 else 1.5 + 0.05 * (size - 1)
+
+
+def default_shape() -> Any:
+    """The generic cost shape of the device MLX computes on: a GPU's, else a CPU's."""
+    import mlx.core as mx
+
+    return cpu_generic_cost if mx.default_device() == mx.cpu else generic_cost
+
+
 def verify_cost(size: int) -> float:
     """The same shape without a draft pass (prompt lookup's cycles)."""
     return 1.0 + 0.02 * (size - 1)
@@ -128,8 +159,11 @@ def verify_cost(size: int) -> float:
 class CostModel:
     """Seconds per cycle of each block size: base(L, position) x a measured correction per size.
 
-    A size not measured lately (or never) takes the correction of the nearest sizes measured
-    lately: the machine's load changes every size's cost, not only the ones in use.
+    The machine's load changes every size's cost, not only the ones in use: a size not measured
+    lately keeps its own correction (how far its base is off, which a guessed shape may be by
+    several times), scaled by how much the load changed since (`level`: the relative changes of
+    the corrections of sizes measured again, chained); a size never measured takes the correction
+    of the nearest sizes measured lately.
     """
 
     base: dict[int, tuple[float, float]] = field(default_factory=dict)  # L -> (s, s per position)
@@ -138,6 +172,8 @@ class CostModel:
     last: dict[int, float] = field(default_factory=dict)  # L -> its last measured ratio
     updated: dict[int, int] = field(default_factory=dict)  # L -> `observations` at its last measurement
     observations: int = 0
+    level: float = 1.0  # the machine's load, relative: each size measured again moves it by its correction's change
+    level_at: dict[int, float] = field(default_factory=dict)  # L -> `level` at its last measurement
     shape: Any = generic_cost  # L -> plain-step units, for sizes not calibrated
     per_input: float = 0.0  # uncalibrated: seconds per verified input beyond the first (a long prefill's rate)
 
@@ -160,6 +196,8 @@ class CostModel:
         fresh = {L: r for L, r in self.ratio.items() if self.observations - self.updated[L] <= self.STALE}
         if size in fresh or not fresh:
             return fresh.get(size, self.ratio.get(size, 1.0))
+        if size in self.ratio:  # measured, not lately: its own correction at today's load
+            return self.ratio[size] * self.level / self.level_at[size]
         below = max((L for L in fresh if L < size), default=None)
         above = min((L for L in fresh if L > size), default=None)
         if below is None or above is None:
@@ -177,10 +215,18 @@ class CostModel:
             # A guessed price (the generic shape, or a neighbour's correction): its first measurement
             # replaces it, up to twice the guess (a first cycle may include one-off setup).
             self.ratio[size] = min(measured, 2.0 * self._ratio_for(size))
+            if len(self.ratio) == 2 and not self.base and measured < 1.0:
+                # The second size measured ever, cheaper than the first one's cycle set the unit for: that
+                # cycle held one-off setup, not the shape (which the next measurements correct either way).
+                first = next(L for L in self.ratio if L != size)
+                self.ratio[first] = measured
         else:  # other work only adds time: one slow cycle moves a price little, two in a row more
             old = self._ratio_for(size)
             clipped = min(measured, 1.25 * old, max(self.last.get(size, old), old))
             self.ratio[size] = old + 0.25 * (clipped - old) if clipped > old else clipped
+            if size in self.level_at:  # measured before: how its correction moved is the load's move
+                self.level *= self.ratio[size] / old
+        self.level_at[size] = self.level
         self.last[size] = measured
         self.observations += 1
         self.updated[size] = self.observations

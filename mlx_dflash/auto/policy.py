@@ -14,12 +14,20 @@ changes the speed, never the output.
   position, reached rarely, is judged by the evidence of the shallower ones. When the
   first position does much worse (or better) than its estimate several cycles in a row,
   the text has changed (a list ended, prose began) and old evidence is dropped.
+- Hope: choices are made on each p_k raised by `HOPE` x sqrt(p (1 - p)) / n (n: the drafts
+  that reached it, and its prior's weight; `AcceptanceModel.hopeful`). A position tried
+  rarely may be better than it looks and only a draft can tell, so after a first draft
+  rejected with nothing else known the drafter is tried again at once and deeper positions
+  are reached; the bonus fades as 1 / n, so a drafter well known is judged on its rates.
+  What is expected of a choice (its prediction, trees, cuts) uses the rates as they are.
 - t(L): a calibration (seconds per size, linear in the context, `calibration.py`) or,
-  before one exists, a generic shape in units of the first measured cycle; every
-  measured cycle corrects its size's price (sizes not measured lately take their
-  neighbours' correction: the machine's load changes them all). A slow cycle raises a
-  price by at most a quarter (another process took the machine); a fast one lowers it
-  at once. A draft after plain steps pays for injecting the positions they left.
+  before one exists, a generic shape (a GPU's, or a CPU's where MLX computes on one) in
+  units of the first measured cycle; every measured cycle corrects its size's price. The
+  machine's load changes every size's price: a size not measured lately keeps its own
+  correction scaled by how the load moved since (`CostModel.level`), and one never
+  measured takes its neighbours'. A slow cycle raises a price by at most a quarter
+  (another process took the machine); a fast one lowers it at once. A draft after plain
+  steps pays for injecting the positions they left.
 - Probes keep the estimates of other sizes fresh: at most every `min_gap` cycles, and only
   while what probes are expected to lose against the best size stays within
   `probe_share` of the time, a neighbour of the best size is tried: the next larger one
@@ -27,7 +35,8 @@ changes the speed, never the output.
   else the better-scoring neighbour.
 - With no evidence of the drafter yet, the widest block priced within 1.5x the narrowest is tried
   (on a Mac, the widest: one cycle measures every position). Uncalibrated, a plain step follows
-  when its first position was rejected, and comes first after a long prefill, whose time per
+  once `WEAK_AFTER` drafts show a first position accepted less than half the time (what a plain
+  step costs is then worth knowing), and comes first after a long prefill, whose time per
   position prices each verified input (`CostModel.per_input`) where a wide verify costs many steps.
 - On plain steps the drafter is asked again (`_ask`) when what finding it good again would bring
   (drafting at its long-run rate over the few tokens a bad patch is expected to last, times the
@@ -72,7 +81,7 @@ from ..errors import DFlashError
 from ..proposers.base import DFLASH, LOOKUP
 from ..proposers.lookup import LOOKUP_BLOCK
 from .confident_prefix import ConfidenceMap, best_prefix
-from .estimators import AcceptanceModel, CostModel, Source, generic_cost, verify_cost
+from .estimators import AcceptanceModel, CostModel, Source, default_shape, generic_cost, verify_cost
 from .trees import TreeArms
 
 __all__ = ["AUTO", "DEFAULT_BLOCK_SIZE", "DEFAULT_TREE_BUDGET", "DEFAULT_TREE_SHAPE", "DFLASH", "LOOKUP_BLOCK",
@@ -151,7 +160,7 @@ def make_policy(block_size: int | str, max_block: int, calibration: Any = None, 
     budgets = () if not drafter or not tree_budget else TREE_BUDGETS if tree_budget == AUTO else (int(tree_budget),)
     return AutoBlockSize(max_block, base_costs=getattr(calibration, "costs", None), acceptance=learnt,
                          drafter=drafter, lookup=lookup, tree_budgets=budgets, tree_shape=tree_shape,
-                         tree_costs=getattr(calibration, "tree_costs", None))
+                         tree_costs=getattr(calibration, "tree_costs", None), cost_shape=default_shape())
 
 
 def reproducible(policy: BlockSizePolicy, max_block: int, seed: int | None, temp: float) -> BlockSizePolicy:
@@ -195,6 +204,7 @@ class AutoBlockSize:
     tree_budgets: tuple[int, ...] = ()  # the draft-tree budgets it may verify (none: linear blocks only)
     tree_shape: str = SPINE
     tree_costs: dict[int, tuple[float, float]] | None = None  # from a calibration that measured trees
+    cost_shape: Any = generic_cost  # a drafting cycle's cost by size, in plain steps, before sizes are measured
     tree: int = 0  # the last choice's draft-tree budget (0: a linear block)
     trees: TreeArms | None = None  # what is known of each tree budget (set up from `tree_budgets`)
     cut_drafts: bool = True  # a linear draft may be cut to its confident prefix where verifying costs grow
@@ -210,13 +220,15 @@ class AutoBlockSize:
     _since_probe: int = 0
     _credit: float = 0.0  # seconds probes may still lose
     _best_rate: float = 0.0  # during a probe: the best size's expected tokens per second
-    _cut_rate: float = 0.0  # the last choice's expected tokens per second, which a cut must beat
+    _cut_rate: float = 0.0  # the drafter's choice's expected tokens per second (no hope), which a cut must beat
     _whole: bool = False  # the drafter's best size's last block was accepted whole
     _plain: bool = False  # the last cycle was a plain step
     _promised: bool = False
     HYSTERESIS = 0.1  # after a plain step, drafting must be expected this much faster to be taken
     LONG_PREFILL = 1024  # positions of a prefill long enough to price a verified input by
     FIRST_WIDTH = 1.5  # the first block, nothing known of the drafter: the widest within this of the narrowest's price
+    WEAK_AFTER = 2  # drafts before a drafter whose first position fails half the time is called weak
+    HOPE = 1.0  # the hope in each position's acceptance that choices are made on (`AcceptanceModel.hopeful`)
     CUT_STEEP = 1.25  # a block is cut where it costs this much more than a block of 2, at least
     _position: int = 0
     _last_end: float | None = None
@@ -226,7 +238,8 @@ class AutoBlockSize:
         base = dict(self.base_costs or {})
         if not self.sources:
             if self.drafter:
-                self.sources[DFLASH] = Source(self.acceptance or AcceptanceModel(self.max_block - 1), CostModel(base))
+                self.sources[DFLASH] = Source(self.acceptance or AcceptanceModel(self.max_block - 1),
+                                              CostModel(base, shape=self.cost_shape))
             if self.lookup:
                 plain = {1: base[1]} if 1 in base else {}
                 self.sources[LOOKUP] = Source(AcceptanceModel(self.max_block - 1), CostModel(plain, shape=verify_cost))
@@ -274,9 +287,12 @@ class AutoBlockSize:
                 source.costs.per_input = prefill[1] / prefill[0]
 
     def scores(self, position: int, source: str | None = None) -> dict[int, float]:
-        """Expected committed tokens per second of every candidate size of `source` (default: the last one's)."""
-        model = self.sources[source or self.source]
-        expected = model.acceptance.expected_tokens()
+        """Expected committed tokens per second of every candidate size of `source` (default: the last one's),
+        the drafter's acceptance hoped for (`HOPE`: only its drafts can tell what a position tried rarely is
+        worth; prompt lookup's record is read off every cycle for free)."""
+        source = source or self.source
+        model = self.sources[source]
+        expected = model.acceptance.expected_tokens(self.HOPE if source == DFLASH else 0.0)
         # Uncalibrated and nothing measured yet: the generic shape (in plain steps).
         seconds = {L: model.costs.predict(L, position) or model.costs.shape(L) for L in self.sizes}
         return {L: expected[L] / (seconds[L] + self.overhead + 1e-9) for L in self.sizes}
@@ -293,14 +309,16 @@ class AutoBlockSize:
         size, rate = 1, None  # the choice and its expected tokens per second
         if limit > 1 and not self._promised and DFLASH in offers:
             size, rate = self._choose_drafted(position)
+            expected = self.acceptance.expected_tokens()  # without hope: what trees and cuts must beat
+            self._cut_rate = expected[size] / (self.costs.predict(size, position) + self.overhead + 1e-9)
             if trees is not None and size > 1 and not self.asking:  # a tree worth more than a probe's news
                 block = min(limit, self.max_block)  # near the end of a reply a tree drafts fewer positions
-                linear = self.acceptance.expected_tokens()[block]
-                tree = trees.best(linear, rate, self.costs, self.sizes, position, self.overhead, block - 1)
+                tree = trees.best(expected[block], self._cut_rate, self.costs, self.sizes, position, self.overhead,
+                                  block - 1)
                 if tree is not None:
                     self.tree, size, rate = tree[0], block, tree[1] / (tree[2] + self.overhead)
                     self.probing = False
-                    self._tree_expected = (linear, tree[1], tree[2])
+                    self._tree_expected = (expected[block], tree[1], tree[2])
         for name in sorted(offers.keys() - {DFLASH}) if limit > 1 and not self._promised else []:
             scores = self.scores(position, name)  # judged by its shadowed record: never probed
             best = max((L for L in self.sizes if L <= offers[name] + 1), key=scores.__getitem__)
@@ -312,7 +330,7 @@ class AutoBlockSize:
         if self.cut_drafts and self.source == DFLASH and not (self.tree or self.probing or self.asking) and size > 2 \
                 and self.acceptance.evidence > 0:
             steep = self.costs.predict(size, position) >= self.CUT_STEEP * self.costs.predict(2, position) > 0
-            self.confident, self._cut_rate = steep, rate
+            self.confident = steep
         self._since_probe = 0 if self.probing else self._since_probe + 1
         seconds = self.costs.predict(size, position)
         expected = self.sources[self.source].acceptance.expected_tokens()[size]
@@ -340,7 +358,8 @@ class AutoBlockSize:
             seconds = {L: costs.predict(L, position) or costs.shape(L) for L in self.sizes[1:]}
             size = max(L for L in self.sizes[1:] if seconds[L] <= self.FIRST_WIDTH * seconds[self.sizes[1]])
             return size, scores[size]
-        if not costs.base and 1 not in costs.ratio and self.acceptance.rates()[0] < 0.5:
+        if not costs.base and 1 not in costs.ratio and self.acceptance.rates()[0] < 0.5 \
+                and self.acceptance.tried[0] >= self.WEAK_AFTER:
             return 1, scores[1]  # uncalibrated, and the drafter looks weak: learn what a plain step costs
         size = max(self.sizes, key=scores.__getitem__)
         if self._plain and scores[size] < (1.0 + self.HYSTERESIS) * scores[1]:
