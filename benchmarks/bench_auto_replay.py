@@ -39,6 +39,7 @@ from mlx_dflash.targets.model import as_target
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_cycle import machine  # noqa: E402
+from bench_tree import trace as fold  # noqa: E402
 
 
 class Recorder:
@@ -179,17 +180,9 @@ class Replay:
 
 
 def trace(cycles: list[tuple[int, int]]) -> str:
-    out, plain = [], 0
-    for size, kept in cycles + [(0, 0)]:
-        if size == 1:
-            plain += 1
-            continue
-        if plain:
-            out.append(f"1x{plain}")
-            plain = 0
-        if size:
-            out.append(f"{size}:{kept}")
-    return " ".join(out)
+    """Cycles as block size:tokens kept, runs of plain steps folded (`bench_tree.trace`)."""
+    return fold({"block_sizes": [size for size, _ in cycles], "lengths": [kept for _, kept in cycles],
+                 "tree_sizes": []})
 
 
 def replay(args) -> None:
