@@ -104,20 +104,24 @@ def test_tree_arms_try_the_widest_affordable_tree_then_follow_the_calibrated_bel
     costs = CostModel(calibrated(mac_cost))
     arms = TreeArms((16, 32, 64), {16: 16, 32: 32, 64: 64}, 15)
     sizes = candidate_sizes(16)
-    assert arms.seconds(64, costs, sizes, 0) == pytest.approx(mac_cost(65))  # along the linear costs
+    building = mac_cost(16) - mac_cost(1)  # a tree's building, until measured: a drafting cycle's premium
+    assert arms.seconds(64, costs, sizes, 0) == pytest.approx(mac_cost(65) + building)  # along the linear costs
     assert arms.best(4.0, 4.0 / mac_cost(16), costs, sizes, 0, 0.0) is None  # a short generation: no trial
     arms.untried = 10 * mac_cost(16)
-    assert arms.best(4.0, 4.0 / mac_cost(16), costs, sizes, 0, 0.0)[0] == 64  # nothing said yet: ask
+    # Nothing said yet: ask, with the widest tree priced within 1.5x the linear block, its building included.
+    assert arms.best(4.0, 4.0 / mac_cost(16), costs, sizes, 0, 0.0)[0] == 16
     belief = DraftBelief(spine=3.0, others=[0.2] * 10 + [0.01] * 39)
-    arms.observe(64, 5, 3, belief, mac_cost(65), mac_cost(65))  # the branches added 2 where 2.39 was hoped
+    # The branches added 2 where 2.39 was hoped; the tree cost what its nodes do: its building was overpriced.
+    arms.observe(64, 5, 3, belief, mac_cost(65), arms.seconds(64, costs, sizes, 0))
+    assert arms.seconds(64, costs, sizes, 0) == pytest.approx(mac_cost(65))
     assert arms.calibration == pytest.approx(6 / 6.39)
     choice = arms.best(4.0, 4.0 / mac_cost(16), costs, sizes, 0, 0.0)
     assert choice[0] == 32 and choice[1] == pytest.approx(4.0 + 2.07 * 6 / 6.39)  # 17 more nodes: 2.07 hoped
-    arms.observe(32, 5, 3, belief, 2 * mac_cost(33), mac_cost(33))  # twice its price: so are the others now
-    assert arms.seconds(16, costs, sizes, 0) == pytest.approx(2 * mac_cost(17))
-    arms.observe(32, 3, 3, belief, mac_cost(33), mac_cost(33))  # then nothing added, many times
-    for _ in range(30):
-        arms.observe(32, 3, 3, belief, mac_cost(33), mac_cost(33))
+    predicted = arms.seconds(32, costs, sizes, 0)
+    arms.observe(32, 5, 3, belief, 2 * mac_cost(33), predicted)  # twice its price: so are the others now
+    assert arms.seconds(16, costs, sizes, 0) == pytest.approx(2 * mac_cost(17), rel=0.05)
+    for _ in range(31):  # then nothing added, many times
+        arms.observe(32, 3, 3, belief, mac_cost(33), arms.seconds(32, costs, sizes, 0))
     assert arms.best(4.0, 4.0 / mac_cost(16), costs, sizes, 0, 0.0) is None
 
 
