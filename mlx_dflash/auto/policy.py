@@ -28,7 +28,8 @@ changes the speed, never the output.
   measured takes its neighbours'. A slow cycle raises a price by at most a quarter
   (another process took the machine); a fast one lowers it at once. A draft after plain
   steps pays for injecting the positions they left.
-- Probes keep the estimates of other sizes fresh: at most every `min_gap` cycles, and only
+- Probes keep the estimates of other sizes fresh: at most every `min_gap` cycles (after
+  `WHOLE_RUN` blocks accepted whole in a row, at once: the next size is worth measuring), and only
   while what probes are expected to lose against the best size stays within
   `probe_share` of the time, a neighbour of the best size is tried: the next larger one
   after a block accepted whole (never a smaller one then: it would measure nothing new),
@@ -222,11 +223,13 @@ class AutoBlockSize:
     _best_rate: float = 0.0  # during a probe: the best size's expected tokens per second
     _cut_rate: float = 0.0  # the drafter's choice's expected tokens per second (no hope), which a cut must beat
     _whole: bool = False  # the drafter's best size's last block was accepted whole
+    _whole_run: int = 0  # ... so many times in a row
     _plain: bool = False  # the last cycle was a plain step
     _promised: bool = False
     HYSTERESIS = 0.1  # after a plain step, drafting must be expected this much faster to be taken
     LONG_PREFILL = 1024  # positions of a prefill long enough to price a verified input by
     FIRST_WIDTH = 1.5  # the first block, nothing known of the drafter: the widest within this of the narrowest's price
+    WHOLE_RUN = 3  # blocks accepted whole in a row after which the next size is probed without waiting `min_gap`
     WEAK_AFTER = 2  # drafts before a drafter whose first position fails half the time is called weak
     HOPE = 1.0  # the hope in each position's acceptance that choices are made on (`AcceptanceModel.hopeful`)
     CUT_STEEP = 1.25  # a block is cut where it costs this much more than a block of 2, at least
@@ -376,7 +379,8 @@ class AutoBlockSize:
     def _probe(self, best: int, scores: dict[int, float], position: int, earned: float) -> tuple[int, float] | None:
         """The neighbour of `best` to probe now and what it is expected to lose; None: no probe
         (too soon, not affordable with `earned` more credit, or nothing worth measuring)."""
-        if self._since_probe < self.min_gap:
+        # (blocks accepted whole `WHOLE_RUN` times in a row: the next size is worth measuring now)
+        if self._since_probe < (1 if self._whole_run >= self.WHOLE_RUN else self.min_gap):
             return None
         i = self.sizes.index(best)
         # After a block accepted whole, a smaller one would measure nothing new.
@@ -462,6 +466,7 @@ class AutoBlockSize:
             self.sources[DFLASH].acceptance.age((accepted + 1) / (1 + self._refused))  # slower as refusals mount
         if not self.probing and self.source == DFLASH:
             self._whole = size > 1 and accepted == size - 1
+            self._whole_run = self._whole_run + 1 if self._whole else 0
         for source in self.sources.values() if size == 1 else [self.sources[self.source]]:
             source.costs.observe(size, self._position, seconds)
         for source in self.sources.values():  # a source not measured yet is priced in the same plain steps

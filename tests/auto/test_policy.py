@@ -382,6 +382,15 @@ def test_a_slow_first_cycle_does_not_keep_its_size_dear():
     assert steady.predict(8, 0) == pytest.approx(generic_cost(8))
 
 
+def test_blocks_accepted_whole_in_a_row_get_the_next_size_probed_without_waiting():
+    policy = AutoBlockSize(8, base_costs={L: (tiny_cost(L, 0), 0.0) for L in candidate_sizes(8)})
+    policy._credit, policy._since_probe, policy._whole = 1.0, 1, True
+    scores = policy.scores(0)
+    assert policy._probe(4, scores, 0, 0.0) is None  # one whole block: probes wait `min_gap` cycles
+    policy._whole_run = policy.WHOLE_RUN
+    assert policy._probe(4, scores, 0, 0.0)[0] == 6  # three in a row: the next size now
+
+
 def test_hope_fades_with_drafts_and_not_with_plain_steps():
     model = AcceptanceModel(7)
     first = model.hopeful(2.0)
