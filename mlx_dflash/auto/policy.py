@@ -312,16 +312,16 @@ class AutoBlockSize:
         size, rate = 1, None  # the choice and its expected tokens per second
         if limit > 1 and not self._promised and DFLASH in offers:
             size, rate = self._choose_drafted(position)
-            expected = self.acceptance.expected_tokens()  # without hope: what trees and cuts must beat
-            self._cut_rate = expected[size] / (self.costs.predict(size, position) + self.overhead + 1e-9)
+            as_is = self.acceptance.expected_tokens()  # without hope: what trees and cuts must beat
+            self._cut_rate = as_is[size] / (self.costs.predict(size, position) + self.overhead + 1e-9)
             if trees is not None and size > 1 and not self.asking:  # a tree worth more than a probe's news
                 block = min(limit, self.max_block)  # near the end of a reply a tree drafts fewer positions
-                tree = trees.best(expected[block], self._cut_rate, self.costs, self.sizes, position, self.overhead,
+                tree = trees.best(as_is[block], self._cut_rate, self.costs, self.sizes, position, self.overhead,
                                   block - 1)
                 if tree is not None:
                     self.tree, size, rate = tree[0], block, tree[1] / (tree[2] + self.overhead)
                     self.probing = False
-                    self._tree_expected = (expected[block], tree[1], tree[2])
+                    self._tree_expected = (as_is[block], tree[1], tree[2])
         for name in sorted(offers.keys() - {DFLASH}) if limit > 1 and not self._promised else []:
             scores = self.scores(position, name)  # judged by its shadowed record: never probed
             best = max((L for L in self.sizes if L <= offers[name] + 1), key=scores.__getitem__)
