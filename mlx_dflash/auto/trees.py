@@ -11,9 +11,9 @@ of them, summed over recent tree cycles.
 
 A budget's price: its calibrated cost (`dflash-mlx calibrate`, where it measured trees), else
 the verify of its N + 1 inputs extrapolated along the linear blocks' own costs (the last two
-candidate sizes' slope) plus building the tree and its mask, priced as a drafting cycle's premium
-over a plain step until measured (a CPU spends about that; a GPU's first tree shows less); times a
-measured correction per budget. Before the drafter has said anything, and again after
+candidate sizes' slope) plus building the tree and its mask, guessed as a drafting cycle's premium
+over a plain step (a CPU spends about that); times a measured correction per budget, which a
+machine that builds trees faster (a GPU) soon brings down. Before the drafter has said anything, and again after
 `STALE` drafting cycles without a tree, the largest budget priced within `TRIAL` of the linear
 block is tried once, as soon as what it may lose (its time less the linear choice's for the linear
 block's tokens: it holds the linear draft) is within `TRIAL_SHARE` of the drafting time gone by:
@@ -68,8 +68,8 @@ class TreeArms:
         if not t_top:
             return 0.0
         slope = max((t_top - t_below) / (top - below), 0.0) if top > below else 0.0
-        # Building the tree and reading the drafter's belief: priced, until measured, as a drafting cycle's
-        # premium over a plain step (a CPU spends about that on it; a GPU's first measurement lowers it).
+        # Building the tree and reading the drafter's belief: guessed as a drafting cycle's premium over a
+        # plain step (a CPU spends about that on it); the measured correction below scales it with the rest.
         building = max(t_top - costs.predict(1, position), 0.0)
         return (t_top + slope * max(self.nodes[budget] + 1 - top, 0) + building) * self._ratio_for(budget)
 
