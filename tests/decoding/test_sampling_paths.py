@@ -78,10 +78,10 @@ def oracle(monkeypatch):
 def generate_many(model, n: int, prompt: list[int], max_tokens: int, seed: int, block_size: int = 4, **options):
     """n sampled generations with a greedy-oracle proposer (often right, so drafts are accepted).
 
-    Returns the outputs, the drafts accepted per drafting cycle, and the plain (undrafted) cycles.
+    Returns the outputs, (draft tokens accepted, draft tokens proposed), and the plain (undrafted) cycles.
     """
     mx.random.seed(seed)
-    outputs, accepted, cycles, plain = [], 0, 0, 0
+    outputs, accepted, proposed, plain = [], 0, 0, 0
     for _ in range(n):
         tokens = []
         for event in mlx_dflash.stream_generate(
@@ -90,10 +90,10 @@ def generate_many(model, n: int, prompt: list[int], max_tokens: int, seed: int, 
         ):
             tokens += event.tokens
             accepted += event.num_draft_accepted
-        cycles += event.stats.cycles
+        proposed += sum(event.stats.proposed_by_source.values())
         plain += event.stats.plain_cycles
         outputs.append(tokens)
-    return outputs, accepted / max(cycles - plain, 1), plain
+    return outputs, (accepted, proposed), plain
 
 
 # (target, sampling options, path exercised)
@@ -121,11 +121,12 @@ def _model(models, model_type):
 def test_sampled_tokens_follow_the_target_on_every_path(case, models, oracle):
     model_type, options = CASES[case]
     model = _model(models, model_type)
-    outputs, acceptance, plain = generate_many(model, N, PROMPT, 24, seed=7, **options)
+    outputs, (accepted, proposed), plain = generate_many(model, N, PROMPT, 24, seed=7, **options)
     sampling = {k: v for k, v in options.items() if k not in ("adaptive", "block_size")}
     p = pit_pvalue(model, [PROMPT] * len(outputs), outputs, seed=1, **sampling)
     assert p > P_HONEST, p
-    assert 0.2 < acceptance < 2.5, acceptance  # drafts were accepted, and rejected (rollbacks ran)
+    # Drafts were accepted, and rejected (rollbacks ran). `auto` chooses by measured time, so only counts are asserted.
+    assert 10 <= accepted <= proposed - 10, (accepted, proposed)
     if case.startswith("hybrid-adaptive"):
         assert plain > 0  # adaptive drafting mixed plain steps with drafting cycles
     # The filter matters here: the same tokens fail against the unfiltered distribution.
