@@ -9,7 +9,8 @@ beforehand. The proposer is the benchmark's oracle (the target's own greedy cont
 each position wrong at rate `--q`), so that its strength is known; `--q 0` is a pair whose
 blocks are accepted whole. `--drafter` takes the default pair's shipped drafter instead (`--draft D`
 another drafter, `--model T` another target), and `--context N` pads each prompt with the other
-prompts' text to about N tokens (a long one-shot request). Modes: the target alone, `auto`,
+prompts' text to about N tokens (a long one-shot request). Modes: the target alone (no drafter,
+no lookup), `lookup` (prompt lookup alone, under `auto`; left out with `--no-lookup`), `auto`,
 `auto-whole` (`auto` verifying every linear draft whole: no confident-prefix cut) and the fixed
 block. They run interleaved on every prompt; each greedy output is checked against the target
 alone's. Printed: pooled decode tok/s per mode and the ratios.
@@ -62,7 +63,7 @@ def main() -> None:
             return drafter
     else:
         oracle = CorruptedGreedyFactory(model, tokenizer, args.q, block_size=args.block)
-    modes = {"target": None, "auto": "auto", "auto-whole": "auto",
+    modes = {"target": 1, **({} if args.no_lookup else {"lookup": None}), "auto": "auto", "auto-whole": "auto",
              **({} if args.no_fixed else {f"b{args.block}": args.block})}
     totals = {m: [0, 0.0] for m in modes}
     texts = [p.turns[0] for p in load_prompts(args.dataset, args.data_dir, limit=args.prompts)]
@@ -74,7 +75,8 @@ def main() -> None:
         for i, ids in enumerate(prompts):
             reference = None
             for mode in list(modes)[(i + r) % len(modes):] + list(modes)[: (i + r) % len(modes)]:
-                proposer = oracle(ids, args.max_tokens) if modes[mode] is not None else None
+                drafted = mode not in ("target", "lookup")
+                proposer = oracle(ids, args.max_tokens) if drafted else None
                 tokens, first = [], None
                 policy = None
                 if mode.startswith("auto"):  # as `stream_generate` makes it, uncalibrated
@@ -82,7 +84,7 @@ def main() -> None:
                     policy.cut_drafts = mode == "auto"
                 for event in mlx_dflash.stream_generate(model, tokenizer, ids, draft_model=proposer, policy=policy,
                                                         max_tokens=args.max_tokens, block_size=modes[mode],
-                                                        prompt_lookup=not args.no_lookup):
+                                                        prompt_lookup=mode != "target" and not args.no_lookup):
                     first = first or time.perf_counter()
                     tokens += event.tokens
                 totals[mode][0] += len(tokens) - 1
@@ -95,7 +97,8 @@ def main() -> None:
     print(f"{machine()}; {proposer}, block {args.block}, {len(prompts)} prompts of {min(map(len, prompts))}-"
           f"{max(map(len, prompts))} tokens x {args.rounds} rounds, {args.max_tokens} tokens; every output identical")
     for m, tps in rates.items():
-        print(f"{m:>8}: {tps:6.1f} tok/s  {tps / rates['target']:.2f}x target"
+        print(f"{m:>10}: {tps:6.1f} tok/s  {tps / rates['target']:.2f}x target"
+              + (f"  {tps / rates['lookup']:.2f}x lookup" if "lookup" in rates else "")
               + (f"  {tps / rates[f'b{args.block}']:.2f}x b{args.block}" if f"b{args.block}" in rates else ""))
 
 
