@@ -66,6 +66,14 @@ class AcceptanceModel:
         self.long_reached = keep * self.long_reached + reached
         self.long_accepted = keep * self.long_accepted + accepted
 
+    def believe(self, confidences: list[float], weight: float) -> None:
+        """The drafter's own confidence in each position of a draft (its argmax's probability, a chance
+        that position is right), taken as `weight` observations of each: what a draft says of the
+        drafter before any verify has."""
+        for k, c in enumerate(confidences[: self.depth]):
+            self.reached[k] += weight
+            self.accepted[k] += weight * min(max(c, 0.0), 1.0)
+
     def age(self, tokens: float) -> None:
         """`tokens` were committed without a draft of this source: what was seen before them says
         less about the text now, so the estimates drift back towards the drafter's long-run quality.

@@ -35,7 +35,10 @@ changes the speed, never the output.
   after a block accepted whole (never a smaller one then: it would measure nothing new),
   else the better-scoring neighbour.
 - With no evidence of the drafter yet, the widest block priced within 1.5x the narrowest is tried
-  (on a Mac, the widest: one cycle measures every position). Uncalibrated, a plain step follows
+  (on a Mac, the widest: one cycle measures every position), verified whole; the drafter's confidence
+  in each of its positions (`cut` is told it) counts as `BELIEF` observations of each
+  (`AcceptanceModel.believe`), so that a first draft rejected where the drafter was sure of it
+  (bad luck) is tried again, and one it doubted is taken at its word. Uncalibrated, a plain step follows
   once `WEAK_AFTER` drafts show a first position accepted less than half the time (what a plain
   step costs is then worth knowing), and comes first after a long prefill, whose time per
   position prices each verified input (`CostModel.per_input`) where a wide verify costs many steps.
@@ -231,9 +234,11 @@ class AutoBlockSize:
     FIRST_WIDTH = 1.5  # the first block, nothing known of the drafter: the widest within this of the narrowest's price
     WHOLE_RUN = 3  # blocks accepted whole in a row after which the next size is probed without waiting `min_gap`
     WEAK_AFTER = 2  # drafts before a drafter whose first position fails half the time is called weak
+    BELIEF = 1.0  # observations the drafter's confidence in its first draft is worth (`AcceptanceModel.believe`)
     HOPE = 1.0  # the hope in each position's acceptance that choices are made on (`AcceptanceModel.hopeful`)
     CUT_STEEP = 1.25  # a block is cut where it costs this much more than a block of 2, at least
     _position: int = 0
+    _first_draft: bool = False
     _last_end: float | None = None
 
     def __post_init__(self) -> None:
@@ -329,11 +334,12 @@ class AutoBlockSize:
                 self.source, size, self.probing, rate, self.tree = name, best, False, scores[best], 0
         self._promised = False
         size = min(size, limit)
-        # (not the first draft: a wide block then measures the drafter's positions)
-        if self.cut_drafts and self.source == DFLASH and not (self.tree or self.probing or self.asking) and size > 2 \
-                and self.acceptance.evidence > 0:
+        self._first_draft = False
+        if self.cut_drafts and self.source == DFLASH and not (self.tree or self.probing or self.asking) and size > 2:
+            # The first draft is verified whole (it measures the drafter's positions); `cut` reads its confidence.
+            self._first_draft = self.acceptance.evidence == 0
             steep = self.costs.predict(size, position) >= self.CUT_STEEP * self.costs.predict(2, position) > 0
-            self.confident = steep
+            self.confident = self._first_draft or steep
         self._since_probe = 0 if self.probing else self._since_probe + 1
         seconds = self.costs.predict(size, position)
         expected = self.sources[self.source].acceptance.expected_tokens()[size]
@@ -344,7 +350,11 @@ class AutoBlockSize:
 
     def cut(self, confidences: list[float]) -> int:
         """The prefix of the chosen draft worth verifying, by the drafter's confidence in each position
-        (`confident_prefix`): what it expects less what its time is worth at the linear choice's rate."""
+        (`confident_prefix`): what it expects less what its time is worth at the linear choice's rate.
+        The first draft is kept whole, its confidences taken as evidence of the drafter (`BELIEF`)."""
+        if self._first_draft:
+            self.acceptance.believe(confidences, self.BELIEF)
+            return len(confidences) + 1
         costs, history = self.sources[DFLASH].costs, self.acceptance.rates()
         keep = best_prefix(confidences, history, self.confidence, self.sizes,
                            lambda L: costs.predict(L, self._position) + self.overhead, self._cut_rate)

@@ -84,6 +84,10 @@ def test_cut_drafts_against_whole_drafts_where_each_verified_input_costs(drafts,
 def test_no_cut_is_asked_where_a_wide_verify_costs_about_a_narrow_one():
     base = {L: (mac_cost(L), 0.0) for L in candidate_sizes(16)}
     policy = AutoBlockSize(16, base_costs=base)
-    with_cuts = decode(policy, mac_cost, 0, informative)
-    assert with_cuts == decode(AutoBlockSize(16, base_costs=base, cut_drafts=False), mac_cost, 0, informative)
-    assert sum(policy.confidence.expected) == 0  # never asked: no host read between draft and verify
+    asked, cut = [], policy.cut
+    policy.cut = lambda confidences: asked.append((len(confidences) + 1, cut(confidences))) or asked[-1][1]
+    decode(policy, mac_cost, 0, informative)
+    # One host read between draft and verify in 12 replies: the first draft's, for what the drafter
+    # believes of it (`AutoBlockSize.BELIEF`), verified whole.
+    assert len(asked) == 1 and asked[0][0] == asked[0][1] == 16
+    assert sum(policy.confidence.expected) == 0  # no prefix was weighed

@@ -11,6 +11,7 @@ from helpers.families import FAMILIES
 from helpers.tiny import VOCAB, ScriptedProposer, greedy_reference
 
 from mlx_dflash import stream_generate
+from mlx_dflash.auto.estimators import cpu_generic_cost
 from mlx_dflash.auto.policy import (
     AUTO,
     AcceptanceModel,
@@ -389,6 +390,25 @@ def test_blocks_accepted_whole_in_a_row_get_the_next_size_probed_without_waiting
     assert policy._probe(4, scores, 0, 0.0) is None  # one whole block: probes wait `min_gap` cycles
     policy._whole_run = policy.WHOLE_RUN
     assert policy._probe(4, scores, 0, 0.0)[0] == 6  # three in a row: the next size now
+
+
+def test_the_first_draft_is_judged_by_what_the_drafter_believed_of_it():
+    # Uncalibrated, the first draft is verified whole and the drafter's confidence in each of its positions
+    # counts as one observation: rejected where the drafter was sure (bad luck: a strong drafter's first
+    # draft), it is drafted again at once; rejected where it doubted, a plain step follows.
+    def after_a_first_rejection(confidence: float) -> int:
+        policy = AutoBlockSize(8, cost_shape=cpu_generic_cost)  # a draft costs much of a step here
+        assert policy.choose(63, 20) == 8 and policy.confident
+        assert policy.cut([confidence] * 7) == 8  # read, not cut
+        policy.record(8, 0, 2.93e-3)
+        return policy.choose(62, 21)
+
+    assert after_a_first_rejection(0.9) > 1
+    assert after_a_first_rejection(0.15) == 1
+    model = AcceptanceModel(3)
+    model.believe([0.9, 0.5, 0.1], 1.0)
+    assert model.rates()[0] == pytest.approx((0.9 + AcceptanceModel.PRIOR) / 2)
+    assert model.tried == [0.0, 0.0, 0.0]  # a belief is no draft: hope is not spent on it
 
 
 def test_hope_fades_with_drafts_and_not_with_plain_steps():
