@@ -48,9 +48,10 @@ changes the speed, never the output.
   refusal in a row doubles the wait, so a long patch costs few asks.
 
 - Where a wide verify costs much more than a narrow one (a block costs `CUT_STEEP` x a block of 2 or
-  more: a CPU, a quantized target, a long context), a linear draft that is not a probe, an ask or
-  the first of a reply is `confident`: after drafting, the session tells `cut` the drafter's
-  confidence in each position, and only the prefix worth its price is verified (`confident_prefix.py`).
+  more: a CPU, a quantized target, a long context), a linear draft that is not a probe or an ask
+  is `confident`: after drafting, the session tells `cut` the drafter's confidence in each position,
+  and only the prefix worth its price is verified (`confident_prefix.py`); the first draft, read for
+  `BELIEF` on any device, is verified whole.
 
 Each proposal source (the DFlash drafter, prompt lookup: `mlx_dflash.proposers.lookup`) keeps its own
 acceptance and costs; plain steps are priced for all alike. Each cycle takes the source and
