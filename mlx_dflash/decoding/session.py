@@ -36,7 +36,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..proposers.base import DFLASH, LOOKUP, Proposer
+from ..proposers.base import DFLASH, LOOKUP, Proposer, scores_blocks
 from ..proposers.lookup import PromptLookup
 from ..targets.model import Checkpoint, TargetModel
 from .block_size import TREE, BlockSizePolicy
@@ -207,7 +207,7 @@ class DecodingSession:
     def cuts_drafts(self) -> bool:
         """This session's drafter scores its whole block and drafts its argmax, so a cycle may verify the
         confident prefix (a drafter that samples its draft from a stated q is verified whole, by rejection)."""
-        return getattr(self.proposer, "drafts_trees", False) and not hasattr(self.proposer, "propose_sampled")
+        return scores_blocks(self.proposer) and not hasattr(self.proposer, "propose_sampled")
 
     def tree_refusal(self) -> str | None:
         """Why this session's cycles cannot verify draft trees now (None: they can; `tree_step`)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..proposers.base import Proposer
+from ..proposers.base import Proposer, ScoringProposer
 from ..targets.model import TargetModel
 from .sampling import draft_block, rejection_verify
 
@@ -61,7 +61,7 @@ class Launched:
                         self.logprobs, draft_finite=finite)
 
 
-def confident_draft(proposer: Any, last_token: mx.array, position: int, block_size: int,
+def confident_draft(proposer: ScoringProposer, last_token: mx.array, position: int, block_size: int,
                     cut: Callable[[list[float]], int]) -> mx.array:
     """The drafter's argmax block, cut to the size `cut` chooses from each position's confidence (the
     probability the drafter gives its argmax): one host read between draft and verify, a decision.

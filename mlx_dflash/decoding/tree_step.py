@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from ..proposers.base import DFLASH, Proposer
+from ..proposers.base import DFLASH, Proposer, ScoringProposer, scores_blocks
 from ..targets.model import TargetModel
 from ..targets.tree import compact, tree_forward, tree_refusal
 from .step import Verified
@@ -30,7 +30,7 @@ from .tree import SPINE, DraftTree, build_tree, draft_belief, spine_accepted, to
 
 def refusal(target: TargetModel, proposer: Proposer | None, sampler: Any = None, constraint: Any = None) -> str | None:
     """Why this session cannot verify trees (None: it can); it then verifies linear blocks."""
-    if proposer is None or not getattr(proposer, "drafts_trees", False):
+    if not scores_blocks(proposer):
         return "trees need a DFlash v1 drafter (DFlash2 drafters and other proposers draft linear blocks)"
     if constraint is not None:
         return "a constrained generation verifies linear blocks"
@@ -74,7 +74,7 @@ class LaunchedTree:
                         draft_finite=finite, tree_size=tree.size, spine_accepted=spine, draft_belief=belief)
 
 
-def launch_tree(target: TargetModel, cache: list[Any], proposer: Any, sampler: Any, last_token: mx.array,
+def launch_tree(target: TargetModel, cache: list[Any], proposer: ScoringProposer, sampler: Any, last_token: mx.array,
                 position: int, block_size: int, budget: int, shape: str,
                 timings: dict[str, float] | None = None, belief_budget: int = 0) -> LaunchedTree:
     """Draft a block of `block_size`, build its tree of `budget` nodes (`shape`), verify it: lazily.

@@ -53,14 +53,18 @@ def load_drafter(
     dtype: mx.Dtype | None = None,
     revision: str | None = None,
 ) -> DFlashDraftModel:
-    """Load a z-lab DFlash drafter (v1 or DFlash2, by `architectures`); every key and shape is checked."""
+    """Load a z-lab DFlash drafter (v1 or DFlash2, by `architectures`); every key and shape is checked.
+
+    Floating-point weights are cast to `dtype`; by default to `target`'s when one is given, else to
+    float32 on the CPU (MLX's CPU half-precision matmuls are several times slower) and left as the
+    checkpoint has them elsewhere: `load` pairs them the same way."""
     path = resolve_path(path_or_repo, DRAFTER_PATTERNS, revision)
     config = _read_json(path / "config.json")
     model = build_drafter(config, str(path), target.num_layers if target is not None else None)
     weights = model.sanitize(read_safetensors(path))
     model.quantize_packed(weights)
     load_checked(model, weights, str(path))
-    cast_floats(model, dtype)
+    cast_floats(model, dtype or (target.dtype if target is not None else default_dtype()))
     model.eval()
     mx.eval(model.parameters())
     if target is not None:

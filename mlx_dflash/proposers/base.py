@@ -41,6 +41,23 @@ class Proposer(Protocol):
         ...
 
 
+class ScoringProposer(Proposer, Protocol):
+    """A proposer whose block comes from scores of every vocabulary token at every position, its draft
+    their argmax: a draft tree can be grown from the scores, and a draft cut to the prefix it is
+    confident in (`drafts_trees` says so; a class that draws its block another way sets it False)."""
+
+    drafts_trees: bool
+
+    def draft_logits(self, last_token: mx.array, position: int, block_size: int) -> mx.array:
+        """(block_size - 1, V) scores of the positions after `last_token`, lazily; `propose` is their argmax."""
+        ...
+
+
+def scores_blocks(proposer: Proposer | None) -> bool:
+    """Whether `proposer` is a `ScoringProposer` (the capability is optional: most proposers are not)."""
+    return bool(getattr(proposer, "drafts_trees", False))
+
+
 @dataclass
 class Proposal:
     """What a sampling proposer drew its draft from: q over each position's candidates."""

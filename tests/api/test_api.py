@@ -80,7 +80,8 @@ def test_block_size_inside_dflash_config(tmp_path, monkeypatch):
     path, _ = saved_variant(tmp_path / "d", target, edit)
     drafter = load_drafter(path, TargetModel(target))
     assert drafter.block_size == 5
-    # ... and it is the default block size of a generation.
+    # ... and it is the default block size of a generation (a seeded sample verifies the drafter's block
+    # every cycle; greedy `auto` chooses by measured time, which this check must not depend on).
     blocks = []
     propose = DFlashProposer.propose
 
@@ -89,7 +90,7 @@ def test_block_size_inside_dflash_config(tmp_path, monkeypatch):
         return propose(self, last_token, position, block_size)
 
     monkeypatch.setattr(DFlashProposer, "propose", spy)
-    list(stream_generate(target, _NoEos(), [5, 6, 7], draft_model=drafter, max_tokens=20))
+    list(stream_generate(target, _NoEos(), [5, 6, 7], draft_model=drafter, max_tokens=20, temp=0.7, seed=0))
     assert blocks and max(blocks) == 5
 
 
@@ -163,6 +164,21 @@ def test_missing_target_layer_ids_use_the_default_rule(tmp_path):
     save_drafter(drafter, config, tmp_path / "d2")
     assert load_drafter(tmp_path / "d2").target_layer_ids == [1, 9, 17, 25, 33]
 
+
+
+def test_a_half_precision_drafter_loads_in_the_dtype_it_will_run_in(tmp_path):
+    """A bfloat16 checkpoint (the shipped drafter's) loads in float32 on the CPU, where MLX's half-precision
+    matmuls are several times slower; beside a target, in the target's dtype, as `load` pairs them."""
+    target = tiny_target("qwen3")
+    config = drafter_config(target)
+    drafter = DFlashDraftModel(ModelArgs.from_dict(config))
+    drafter.set_dtype(mx.bfloat16)
+    path = save_drafter(drafter, config, tmp_path / "d")
+    assert mx.default_device() == mx.cpu  # this suite runs on MLX's CPU backend
+    assert load_drafter(path).fc.weight.dtype == mx.float32
+    target.set_dtype(mx.float16)
+    assert load_drafter(path, TargetModel(target)).fc.weight.dtype == mx.float16
+    assert load_drafter(path, TargetModel(target), dtype=mx.bfloat16).fc.weight.dtype == mx.bfloat16
 
 # ----------------------------------------------------------------- the Hugging Face cache
 
