@@ -38,7 +38,9 @@ def assert_same_caches(session: DecodingSession, fresh: DecodingSession) -> None
             if isinstance(x, mx.array):
                 if end is not None and x.ndim == 4:
                     x, y = x[..., :end, :], y[..., :end, :]
-                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
+                # float32 computed over prefixes of different lengths: BLAS blocks them differently per CPU
+                assert x.shape == y.shape and mx.allclose(x, y, rtol=1e-4, atol=1e-5).item(), \
+                    float(mx.abs(x - y).max())
             else:
                 assert x == y
     draft, other = session.proposer.cache, fresh.proposer.cache
