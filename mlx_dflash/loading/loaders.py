@@ -56,8 +56,8 @@ def load_drafter(
     """Load a z-lab DFlash drafter (v1 or DFlash2, by `architectures`); every key and shape is checked.
 
     Floating-point weights are cast to `dtype`; by default to `target`'s when one is given, else to
-    float32 on the CPU (MLX's CPU half-precision matmuls are several times slower) and left as the
-    checkpoint has them elsewhere: `load` pairs them the same way."""
+    float32 on the CPU (MLX's CPU half-precision matmuls are slower) and left as the checkpoint has
+    them elsewhere."""
     path = resolve_path(path_or_repo, DRAFTER_PATTERNS, revision)
     config = _read_json(path / "config.json")
     model = build_drafter(config, str(path), target.num_layers if target is not None else None)
@@ -141,5 +141,5 @@ def load(
     drafter = None
     if draft_dir is not None:
         target = TargetModel(target_model)
-        drafter = load_drafter(draft_dir, target, dtype=mx_dtype or target.dtype)
+        drafter = load_drafter(draft_dir, target, dtype=mx_dtype)
     return target_model, tokenizer, drafter

@@ -168,7 +168,7 @@ def test_missing_target_layer_ids_use_the_default_rule(tmp_path):
 
 def test_a_half_precision_drafter_loads_in_the_dtype_it_will_run_in(tmp_path):
     """A bfloat16 checkpoint (the shipped drafter's) loads in float32 on the CPU, where MLX's half-precision
-    matmuls are several times slower; beside a target, in the target's dtype, as `load` pairs them."""
+    matmuls are slower; beside a target, in the target's dtype, as `load` pairs them."""
     target = tiny_target("qwen3")
     config = drafter_config(target)
     drafter = DFlashDraftModel(ModelArgs.from_dict(config))
