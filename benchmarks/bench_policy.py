@@ -1,6 +1,6 @@
 """`--block-size auto` against every fixed block size, in simulated regimes, side by side.
 
-    python benchmarks/bench_policy.py [--replies 200 --max-tokens 64] [--policy FILE.py ...]
+    python benchmarks/bench_policy.py [--replies 200 --max-tokens 64] [--noise 0.15 --slow 0.05] [--policy FILE.py ...]
 
 Each regime is a cost per cycle (in plain-step units, by block size and context) and a
 per-position acceptance (the chance that draft position k is accepted once reached).
@@ -8,7 +8,9 @@ Replies of `--max-tokens` tokens are decoded cycle by cycle, as the decode loop 
 (a plain step promised ahead costs `AHEAD` of one in order), by a fresh uncalibrated
 policy per reply ("fresh": a one-shot `generate`) and by one calibrated policy serving
 every reply ("served": chat, serve, bench). Printed: tokens per unit time of each,
-as a ratio to the best fixed size. `--policy` adds another implementation (a file
+as a ratio to the best fixed size. `--noise` and `--slow` tell the policy each cycle's time as a
+shared machine would (lognormal noise, now and then twice as slow); the time counted stays the regime's.
+`--policy` adds another implementation (a file
 defining `AutoBlockSize`, e.g. an older `mlx_dflash/auto/policy.py`) to compare with.
 """
 
@@ -74,8 +76,11 @@ REGIMES = [
 ]
 
 
-def decode_reply(policy, regime: Regime, reply: int, max_tokens: int, rng) -> tuple[int, float]:
-    """One reply through `policy`: (tokens, time in plain-step units)."""
+def decode_reply(policy, regime: Regime, reply: int, max_tokens: int, rng, noise: float = 0.0,
+                 slow: float = 0.0) -> tuple[int, float]:
+    """One reply through `policy`: (tokens, time in plain-step units). With `noise`, the policy is told each
+    cycle's time x lognormal noise (and twice that for a share `slow` of cycles), as a shared machine shows it;
+    the time counted is the regime's own."""
     try:
         policy.begin((regime.context, regime.prefill * regime.context))
     except TypeError:  # an older policy (`--policy`) that is not told of the prefill
@@ -89,7 +94,8 @@ def decode_reply(policy, regime: Regime, reply: int, max_tokens: int, rng) -> tu
         while accepted < size - 1 and rng.random() < regime.acceptance(accepted + 1, reply):
             accepted += 1
         cycle = regime.cost(size, position) * (AHEAD if ahead else 1.0)
-        policy.record(size, accepted, cycle)
+        told = cycle * (rng.lognormal(0.0, noise) * (2.0 if rng.random() < slow else 1.0) if noise or slow else 1.0)
+        policy.record(size, accepted, told)
         tokens += accepted + 1
         seconds += cycle
         position += accepted + 1
@@ -100,13 +106,14 @@ def calibration(regime: Regime) -> dict[int, tuple[float, float]]:
     return {L: (regime.cost(L, 0), 0.0) for L in candidate_sizes(regime.max_block)}
 
 
-def rate(make_policy, regime: Regime, replies: int, max_tokens: int, fresh: bool, seed: int) -> float:
+def rate(make_policy, regime: Regime, replies: int, max_tokens: int, fresh: bool, seed: int, noise: float = 0.0,
+         slow: float = 0.0) -> float:
     rng = np.random.default_rng(seed)
     policy, tokens, seconds = make_policy(), 0, 0.0
     for reply in range(replies):
         if fresh:
             policy = make_policy()
-        t, s = decode_reply(policy, regime, reply, max_tokens, rng)
+        t, s = decode_reply(policy, regime, reply, max_tokens, rng, noise, slow)
         tokens, seconds = tokens + t, seconds + s
     return tokens / seconds
 
@@ -125,14 +132,18 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--policy", action="append", default=[], help="another AutoBlockSize to compare (a .py file)")
+    parser.add_argument("--noise", type=float, default=0.0, help="lognormal sigma of the cycle times the policy sees")
+    parser.add_argument("--slow", type=float, default=0.0, help="share of cycles the policy sees twice as slow")
     args = parser.parse_args()
     autos = {"auto": AutoBlockSize} | {f"auto[{p}]": load_policy(p) for p in args.policy}
-    print(f"{args.replies} replies of {args.max_tokens} tokens, {args.seeds} seeds; ratios to the best fixed size")
+    print(f"{args.replies} replies of {args.max_tokens} tokens, {args.seeds} seeds, timing noise {args.noise} "
+          f"(slow cycles {args.slow}); ratios to the best fixed size")
     print(f"| regime | best fixed (tok/step) | {' | '.join(f'{n} fresh | {n} served' for n in autos)} |")
     print("|---|---|" + "---|---|" * len(autos))
     for regime in REGIMES:
         def mean_rate(factory, fresh, regime=regime):
-            return np.mean([rate(factory, regime, args.replies, args.max_tokens, fresh, s) for s in range(args.seeds)])
+            return np.mean([rate(factory, regime, args.replies, args.max_tokens, fresh, s, args.noise, args.slow)
+                            for s in range(args.seeds)])
 
         fixed = {L: mean_rate(lambda L=L: FixedBlockSize(L), True) for L in candidate_sizes(regime.max_block)}
         best = max(fixed, key=fixed.get)
