@@ -77,7 +77,7 @@ def test_options_are_parsed_and_checked(pair, tmp_path):
                                 "system": "be kind"}
     assert data["messages"][0] == {"role": "system", "content": "be kind"}
     assert "\x1b[" not in result.output
-    assert summaries(result.output)[0][0] == 3
+    assert 1 <= summaries(result.output)[0][0] <= 3  # a sampled reply may end at a stop token before its limit
     plain = chat(pair, "hi\n", "--no-draft", "--max-tokens", "4")
     assert "plain decoding" in plain.output and "block size 1" in " ".join(plain.output.split())
     for bad in (["--temp", "-1"], ["--top-p", "1.5"], ["--max-tokens", "0"], ["--q-bits", "9"]):
